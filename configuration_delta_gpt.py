@@ -1,0 +1,102 @@
+"""DeltaGPT configuration: GPT-2's config plus the Deep Delta Learning residual settings.
+
+Self-contained Hub custom-code file: it imports only transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import GPT2Config
+
+DELTA_MODES = ("additive", "paper")
+DELTA_GATES = ("linear", "mlp")
+
+# Every Auto class a saved DeltaGPT directory can be loaded with, through Hub custom code.
+AUTO_MAP = {
+    "AutoConfig": "configuration_delta_gpt.DeltaGPTConfig",
+    "AutoModel": "modeling_delta_gpt.DeltaGPTModel",
+    "AutoModelForCausalLM": "modeling_delta_gpt.DeltaGPTForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_delta_gpt.DeltaGPTForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_delta_gpt.DeltaGPTForTokenClassification",
+}
+
+
+class DeltaGPTConfig(GPT2Config):
+    r"""
+    Configuration of a DeltaGPT model: every GPT-2 field under GPT-2's name, plus the Delta residual.
+
+    Each attention and MLP residual `x + F(x)` of GPT-2 becomes a Delta block acting on the residual state
+    `X` (shape `[..., n_embd]` when `delta_value_channels == 1`, `[..., n_embd, delta_value_channels]` otherwise):
+
+        c = LayerNorm(read(X)),  h = F(c),  k = h / sqrt(|h|^2 + eps^2),
+        beta = 2 * sigmoid(gate(c)) * rho,  v = W_v c,
+        paper:    X' = X          + beta * k (v^T - k^T X)
+        additive: X' = X + h 1^T  + beta * k (v^T - k^T X)
+
+    `rho = clamp(alpha, 0, 1)` is a learned per-block opening with a straight-through gradient. It is what lets
+    `delta_beta_init=0.0` make beta *exactly* zero (so the additive model is exactly GPT-2) while the gate still
+    gets a non-zero gradient: a smooth gate that is >= 0 and equals 0 sits at its minimum and has zero gradient.
+
+    Args:
+        delta_mode (`str`, defaults to `"additive"`):
+            `"additive"` keeps GPT-2's `x + F(x)` and adds the Delta term (beta = 0 is exactly GPT-2);
+            `"paper"` is eq. 2.5 of the paper (beta = 0 makes every block the identity).
+        delta_value_channels (`int`, defaults to 1):
+            d_v, the number of value channels of the residual state (1 = vector state, >1 = expanded matrix state).
+        delta_beta_init (`float`, defaults to 0.0):
+            Initial beta of every Delta block, in [0, 2]. Exact for every value; 0.0 starts as GPT-2 (additive).
+        delta_gate (`str`, defaults to `"linear"`):
+            `"linear"` gate logit `w^T c + b`, or `"mlp"` for the paper's eq. A.2 `w^T tanh(W_in c)`.
+        delta_gate_hidden_size (`int`, defaults to 64):
+            Hidden width of the `"mlp"` gate.
+        delta_eps (`float`, defaults to 1e-6):
+            epsilon of the direction normalisation `k = h / sqrt(|h|^2 + eps^2)`.
+    """
+
+    model_type = "delta_gpt"
+
+    delta_mode: str = "additive"
+    delta_value_channels: int = 1
+    delta_beta_init: float = 0.0
+    delta_gate: str = "linear"
+    delta_gate_hidden_size: int = 64
+    delta_eps: float = 1e-6
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if getattr(self, "auto_map", None) is None:
+            self.auto_map = dict(AUTO_MAP)
+        self.validate_delta()
+
+    def validate(self) -> None:
+        super().validate()
+        self.validate_delta()
+
+    def validate_delta(self) -> None:
+        """Raise a ValueError naming the field, the value and what is allowed."""
+
+        def fail(field: str, allowed: str) -> None:
+            raise ValueError(f"DeltaGPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
+
+        if self.delta_mode not in DELTA_MODES:
+            fail("delta_mode", f"expected one of {DELTA_MODES}")
+        if isinstance(self.delta_value_channels, bool) or not isinstance(self.delta_value_channels, int):
+            fail("delta_value_channels", "expected an integer >= 1")
+        if self.delta_value_channels < 1:
+            fail("delta_value_channels", "expected an integer >= 1")
+        if not isinstance(self.delta_beta_init, (int, float)) or not 0.0 <= self.delta_beta_init <= 2.0:
+            fail("delta_beta_init", "expected a number in [0, 2] (0 = identity/GPT-2, 1 = projection, 2 = reflection)")
+        if self.delta_gate not in DELTA_GATES:
+            fail("delta_gate", f"expected one of {DELTA_GATES}")
+        if isinstance(self.delta_gate_hidden_size, bool) or not isinstance(self.delta_gate_hidden_size, int):
+            fail("delta_gate_hidden_size", "expected an integer >= 1")
+        if self.delta_gate_hidden_size < 1:
+            fail("delta_gate_hidden_size", "expected an integer >= 1")
+        if not isinstance(self.delta_eps, (int, float)) or not (self.delta_eps > 0 and math.isfinite(self.delta_eps)):
+            fail("delta_eps", "expected a finite number > 0")
+        if self.add_cross_attention:
+            fail("add_cross_attention", "DeltaGPT is a decoder-only model; cross-attention is not supported")
+
+
+__all__ = ["DeltaGPTConfig"]

@@ -1,0 +1,55 @@
+"""ddl_hf: Deep Delta Learning for GPT-2 in 🤗 Transformers.
+
+Importing this package registers DeltaGPT with the Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)`
+works without `trust_remote_code`, and makes `save_pretrained` write the two Hub custom-code files next to the
+weights, so the saved directory also loads where `ddl_hf` is not installed.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .configuration_delta_gpt import DeltaGPTConfig
+from .conversion import EquivalenceReport, convert_gpt2, equivalence_report
+from .modeling_delta_gpt import (
+    DeltaGPTForCausalLM,
+    DeltaGPTForSequenceClassification,
+    DeltaGPTForTokenClassification,
+    DeltaGPTModel,
+    DeltaGPTPreTrainedModel,
+    DeltaResidual,
+    delta_update,
+)
+
+__version__ = "0.1.0"
+
+_AUTO_CLASSES = (
+    (AutoModel, DeltaGPTModel),
+    (AutoModelForCausalLM, DeltaGPTForCausalLM),
+    (AutoModelForSequenceClassification, DeltaGPTForSequenceClassification),
+    (AutoModelForTokenClassification, DeltaGPTForTokenClassification),
+)
+
+AutoConfig.register(DeltaGPTConfig.model_type, DeltaGPTConfig, exist_ok=True)
+DeltaGPTConfig.register_for_auto_class("AutoConfig")
+for _auto_class, _model_class in _AUTO_CLASSES:
+    _auto_class.register(DeltaGPTConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_auto_class.__name__)
+
+__all__ = [
+    "DeltaGPTConfig",
+    "DeltaGPTForCausalLM",
+    "DeltaGPTForSequenceClassification",
+    "DeltaGPTForTokenClassification",
+    "DeltaGPTModel",
+    "DeltaGPTPreTrainedModel",
+    "DeltaResidual",
+    "EquivalenceReport",
+    "convert_gpt2",
+    "delta_update",
+    "equivalence_report",
+]

