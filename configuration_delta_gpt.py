@@ -45,7 +45,8 @@ class DeltaGPTConfig(GPT2Config):
         delta_value_channels (`int`, defaults to 1):
             d_v, the number of value channels of the residual state (1 = vector state, >1 = expanded matrix state).
         delta_beta_init (`float`, defaults to 0.0):
-            Initial beta of every Delta block, in [0, 2]. Exact for every value; 0.0 starts as GPT-2 (additive).
+            Initial beta of every Delta block, in [0, 2]; 0.0 starts as GPT-2 (additive) or as the identity (paper).
+            Exact for values in [0, 1] and for 2; in (1, 2) it goes through a sigmoid and is exact to float rounding.
         delta_gate (`str`, defaults to `"linear"`):
             `"linear"` gate logit `w^T c + b`, or `"mlp"` for the paper's eq. A.2 `w^T tanh(W_in c)`.
         delta_gate_hidden_size (`int`, defaults to 64):

@@ -60,12 +60,12 @@ def delta_update(
         value: written value v, `[..., d_v]`, float32.
         branch_output: the sublayer output h `[..., D]` for the additive mode, None for the paper mode.
 
-    `k^T X` and the rank-1 coefficient are formed in float32; the result has the state's dtype. When beta is
-    exactly 0 the Delta term is exactly 0, so the additive mode returns `X + h` bit for bit.
+    `k^T X` and the rank-1 coefficient are formed in k's dtype (float32 or wider); the result has the state's
+    dtype. When beta is exactly 0 the Delta term is exactly 0, so the additive mode returns `X + h` bit for bit.
     """
     expanded = state.dim() == k.dim() + 1
     x = state if expanded else state.unsqueeze(-1)  # [..., D, d_v]
-    k_dot_x = torch.einsum("...d,...dv->...v", k, x.float())  # erase: the state's coordinate along k
+    k_dot_x = torch.einsum("...d,...dv->...v", k, x.to(k.dtype))  # erase: the state's coordinate along k
     coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
     delta = (k.unsqueeze(-1) * coefficient.unsqueeze(-2)).to(state.dtype)  # rank-1: k (beta (v - k^T X))^T
     new_state = x if branch_output is None else x + branch_output.unsqueeze(-1)
@@ -73,9 +73,14 @@ def delta_update(
     return new_state if expanded else new_state.squeeze(-1)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the Delta math: float32 for half-precision tensors, the tensor's own dtype otherwise."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """k = h / sqrt(|h|^2 + eps^2) in float32: unit norm for any non-negligible h, and 0 (no-op) for h = 0."""
-    h = h.float()
+    """k = h / sqrt(|h|^2 + eps^2), at least float32: unit norm for any non-negligible h, 0 (a no-op) for h = 0."""
+    h = h.to(compute_dtype(h.dtype))
     return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
 
 
@@ -124,10 +129,11 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the new state and beta `[batch, seq_len]`."""
         with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
+            dtype = compute_dtype(state.dtype)
             c = normed_input.to(self.v_proj.weight.dtype)
-            rho = straight_through_clamp(self.beta_open.float(), 0.0, 1.0)
-            beta = 2.0 * torch.sigmoid(self.beta_proj(c).float().squeeze(-1)) * rho
-            value = self.v_proj(c).float()
+            rho = straight_through_clamp(self.beta_open.to(dtype), 0.0, 1.0)
+            beta = 2.0 * torch.sigmoid(self.beta_proj(c).to(dtype).squeeze(-1)) * rho
+            value = self.v_proj(c).to(dtype)
             k = unit_direction(branch_output, self.eps)
             new_state = delta_update(state, k, beta, value, branch_output if self.additive else None)
         return new_state, beta
