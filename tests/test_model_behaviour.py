@@ -1,0 +1,250 @@
+"""DeltaGPT behaves like any transformers causal LM: cache, padding, checkpointing, save/load, heads, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import VOCAB, open_gates, tiny_delta, tiny_delta_config
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+import ddl_hf
+
+MODES = [("additive", 1), ("additive", 4), ("paper", 1), ("paper", 3)]
+
+
+def gated_model(mode: str, value_channels: int, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
+    model = tiny_delta(delta_mode=mode, delta_value_channels=value_channels, **overrides)
+    open_gates(model)  # exercise the Delta path, not only the beta = 0 case
+    return model
+
+
+@pytest.mark.parametrize(("mode", "value_channels"), MODES)
+def test_greedy_generation_with_cache_equals_without(mode: str, value_channels: int) -> None:
+    model = gated_model(mode, value_channels)
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert cached.shape == (1, 38)
+    assert torch.equal(cached, uncached)
+
+
+def test_cached_forward_matches_full_forward() -> None:
+    model = gated_model("additive", 4)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :7], use_cache=True)
+        rest = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True).logits
+    assert torch.allclose(torch.cat([first.logits, rest], dim=1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize(("mode", "value_channels"), [("additive", 1), ("paper", 4)])
+def test_left_padded_batch_equals_each_prompt_alone(mode: str, value_channels: int) -> None:
+    model = gated_model(mode, value_channels)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=generator) for n in (3, 7, 5)]
+    width = max(len(p) for p in prompts)
+    pad = model.config.pad_token_id
+    batch = torch.stack([torch.cat([torch.full((width - len(p),), pad), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=pad)
+
+    batched = model.generate(batch, attention_mask=mask, **kwargs)[:, width:]
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+        assert torch.equal(batched[row], alone[0, len(prompt) :]), f"prompt {row} differs when batched"
+
+
+@pytest.mark.parametrize(("mode", "value_channels"), [("additive", 1), ("paper", 4)])
+def test_gradient_checkpointing_gives_the_same_gradients(mode: str, value_channels: int) -> None:
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = gated_model(mode, value_channels).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys()
+    assert any("beta_open" in name for name in plain)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(("mode", "value_channels"), [("additive", 1), ("paper", 3)])
+def test_save_and_auto_load_round_trip_bit_exactly(tmp_path, mode: str, value_channels: int) -> None:
+    model = gated_model(mode, value_channels, delta_gate="mlp")
+    model.save_pretrained(tmp_path)
+    files = set(os.listdir(tmp_path))
+    assert "model.safetensors" in files and not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
+    assert {"configuration_delta_gpt.py", "modeling_delta_gpt.py"} <= files  # Hub custom code travels along
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_delta_gpt.DeltaGPTForCausalLM"
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is ddl_hf.DeltaGPTForCausalLM
+    assert loaded.config.delta_mode == mode and loaded.config.delta_value_channels == value_channels
+    original, reloaded = model.state_dict(), loaded.state_dict()
+    assert original.keys() == reloaded.keys()
+    assert all(torch.equal(original[name], reloaded[name]) for name in original)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded.eval()(ids).logits)
+
+
+def test_auto_classes_build_every_head(tmp_path) -> None:
+    config = tiny_delta_config(num_labels=3)
+    assert isinstance(AutoConfig.for_model("delta_gpt"), ddl_hf.DeltaGPTConfig)
+    expected = {
+        AutoModel: ddl_hf.DeltaGPTModel,
+        AutoModelForCausalLM: ddl_hf.DeltaGPTForCausalLM,
+        AutoModelForSequenceClassification: ddl_hf.DeltaGPTForSequenceClassification,
+        AutoModelForTokenClassification: ddl_hf.DeltaGPTForTokenClassification,
+    }
+    for auto_class, model_class in expected.items():
+        assert type(auto_class.from_config(config)) is model_class
+    ddl_hf.DeltaGPTModel(config).save_pretrained(tmp_path)
+    assert type(AutoModel.from_pretrained(tmp_path)) is ddl_hf.DeltaGPTModel
+
+
+def test_sequence_and_token_classification_heads() -> None:
+    config = tiny_delta_config(num_labels=3, delta_value_channels=2)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])  # row 0 left-padded with pad_token_id 0
+    labels = torch.tensor([2, 0])
+    seq_model = ddl_hf.DeltaGPTForSequenceClassification(config).eval()
+    out = seq_model(ids, attention_mask=(ids != 0).long(), labels=labels)
+    assert out.logits.shape == (2, 3) and out.loss.ndim == 0
+    # The pooled logits are the score head applied to the last non-padding token's hidden state.
+    hidden = seq_model.transformer(ids, attention_mask=(ids != 0).long()).last_hidden_state
+    torch.testing.assert_close(out.logits, seq_model.score(hidden[:, -1]))
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
+
+    token_model = ddl_hf.DeltaGPTForTokenClassification(config).eval()
+    token_labels = torch.randint(0, 3, ids.shape)
+    out = token_model(ids, labels=token_labels, output_betas=True)
+    assert out.logits.shape == (2, 5, 3) and len(out.betas) == 2 * config.n_layer
+    torch.testing.assert_close(
+        out.loss, torch.nn.functional.cross_entropy(out.logits.reshape(-1, 3), token_labels.flatten())
+    )
+
+
+def test_outputs_hidden_states_attentions_and_betas() -> None:
+    model = tiny_delta(delta_value_channels=3, attn_implementation="eager")
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    out = model(ids, output_hidden_states=True, output_attentions=True, output_betas=True)
+    n_layer, d = model.config.n_layer, model.config.n_embd
+    assert len(out.hidden_states) == n_layer + 1
+    assert out.hidden_states[0].shape == (2, 6, d, 3)  # expanded state: embedding repeated over value channels
+    assert torch.equal(out.hidden_states[0][..., 0], out.hidden_states[0][..., 2])
+    assert out.hidden_states[-1].shape == (2, 6, d)  # post-ln_f, as in GPT-2
+    assert len(out.attentions) == n_layer and out.attentions[0].shape == (2, model.config.n_head, 6, 6)
+    assert len(out.betas) == 2 * n_layer and all(b.shape == (2, 6) for b in out.betas)
+    plain = model(ids)
+    assert plain.betas is None and plain.hidden_states is None
+
+
+def test_tied_embeddings_and_resize_token_embeddings() -> None:
+    model = tiny_delta()
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    model.resize_token_embeddings(VOCAB + 11)
+    assert model.config.vocab_size == VOCAB + 11
+    assert model.lm_head.weight.shape[0] == VOCAB + 11
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    logits = model(torch.tensor([[VOCAB + 10, 3]])).logits
+    assert logits.shape == (1, 2, VOCAB + 11)
+
+
+def test_loss_accepts_num_items_in_batch_like_trainer() -> None:
+    """Trainer passes num_items_in_batch for gradient accumulation: the loss becomes sum / num_items."""
+    model = gated_model("additive", 1)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    logits = model(ids).logits
+    token_losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    mean = model(ids, labels=labels).loss
+    summed = model(ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+    torch.testing.assert_close(mean, token_losses / (labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(summed, token_losses / 40)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("delta_mode", "gated", "delta_mode='gated'"),
+        ("delta_value_channels", 0, "delta_value_channels=0"),
+        ("delta_value_channels", 2.5, "delta_value_channels=2.5"),
+        ("delta_beta_init", 2.5, r"delta_beta_init=2.5 is invalid: expected a number in \[0, 2\]"),
+        ("delta_beta_init", -0.1, "delta_beta_init=-0.1"),
+        ("delta_gate", "conv", "delta_gate='conv'"),
+        ("delta_gate_hidden_size", 0, "delta_gate_hidden_size=0"),
+        ("delta_eps", 0.0, "delta_eps=0.0"),
+        ("add_cross_attention", True, "cross-attention is not supported"),
+    ],
+)
+def test_bad_config_values_raise_value_error(field: str, value, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_delta_config(**{field: value})
+
+
+def test_config_mutated_after_creation_is_checked_when_building_or_saving(tmp_path) -> None:
+    config = tiny_delta_config()
+    config.delta_mode = "typo"
+    with pytest.raises(ValueError, match="delta_mode='typo'"):
+        ddl_hf.DeltaGPTForCausalLM(config)
+    with pytest.raises(ValueError, match="delta_mode='typo'"):
+        config.save_pretrained(tmp_path)
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    model = tiny_delta()
+    with pytest.raises(ValueError, match=r"outside \[0, vocab_size=97\).*resize_token_embeddings"):
+        model(torch.tensor([[1, 2, VOCAB]]))
+    with pytest.raises(ValueError, match="outside"):
+        model(torch.tensor([[1, -1, 2]]))
+    too_long = torch.ones(1, model.config.n_positions + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"Sequence too long: 65 new tokens \+ 0 cached tokens > n_positions=64"):
+        model(too_long)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\), expected \(2, 6\)"):
+        model(torch.ones(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"position_ids reach 64"):
+        model(torch.ones(1, 2, dtype=torch.long), position_ids=torch.tensor([[63, 64]]))
+    with pytest.raises(ValueError, match="either input_ids or inputs_embeds"):
+        model()
+
+
+def test_generation_past_n_positions_is_refused() -> None:
+    model = tiny_delta()
+    prompt = torch.ones(1, 60, dtype=torch.long)
+    with pytest.raises(ValueError, match="n_positions=64"):
+        model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+
+
+@pytest.mark.parametrize(("value_channels", "budget"), [(1, 1.001), (4, 1.002)])
+def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: float) -> None:
+    """Built on the meta device: GPT-2 small's shape without allocating its weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(GPT2Config())
+        delta = ddl_hf.DeltaGPTForCausalLM(ddl_hf.DeltaGPTConfig(delta_value_channels=value_channels))
+    gpt2_params = sum(p.numel() for p in gpt2.parameters())
+    delta_params = sum(p.numel() for p in delta.parameters())
+    per_block = 2 * 768 + 2 + (value_channels * 769 - 769) + (value_channels if value_channels > 1 else 0)
+    extra = 24 * per_block + (value_channels if value_channels > 1 else 0)
+    assert delta_params - gpt2_params == extra  # closed form: beta_proj, beta_open, v_proj, read_weights, read_out
+    assert delta_params / gpt2_params <= budget
