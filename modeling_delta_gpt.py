@@ -171,18 +171,17 @@ def delta_rule_recurrent(
         (float32 for half-precision inputs).
     """
     out_dtype, dtype = v.dtype, _compute_dtype(v)
-    batch, heads, seq_len, d_k = k.shape
+    batch, heads, _, d_k = k.shape
     d_v = v.shape[-1]
     q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
     state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for t in range(seq_len):
-        k_t = k[:, :, t].unsqueeze(-1)  # [B, H, d_k, 1]
-        write = v[:, :, t].unsqueeze(-1)  # [B, H, d_v, 1]
-        if erase:
-            write = write - state @ k_t  # v_t - S_{t-1} k_t: replace what the memory returns for k_t
-        state = state + beta[:, :, t, None, None] * write @ k_t.transpose(-1, -2)
-        outputs.append(state @ q[:, :, t].unsqueeze(-1))
+    # unbind, not k[:, :, t]: the backward of one unbind is one stack, that of T slices is T full-size zero tensors.
+    steps = zip(q.unsqueeze(-1).unbind(2), k.unsqueeze(-1).unbind(2), v.unsqueeze(-1).unbind(2), beta.unbind(2))
+    for q_t, k_t, v_t, beta_t in steps:  # q_t, k_t: [B, H, d_k, 1]; v_t: [B, H, d_v, 1]; beta_t: [B, H]
+        write = v_t - state @ k_t if erase else v_t  # v_t - S_{t-1} k_t: replace what the memory returns for k_t
+        state = state + beta_t[..., None, None] * write @ k_t.transpose(-1, -2)
+        outputs.append(state @ q_t)
     if not outputs:
         return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
     return torch.cat(outputs, dim=-1).transpose(-1, -2).to(out_dtype), state
@@ -240,12 +239,14 @@ def delta_rule_chunkwise(
         u, w = v_beta, None
     scores = (q @ k.transpose(-1, -2)).tril()  # diagonal included: o_r reads the state after token r's write
 
-    # Across chunks: carry the state.
+    # Across chunks: carry the state (unbind: see delta_rule_recurrent).
     outputs = []
-    for n in range(n_chunks):
-        u_n = u[:, :, n] if w is None else u[:, :, n] - w[:, :, n] @ state.transpose(-1, -2)
-        outputs.append(q[:, :, n] @ state.transpose(-1, -2) + scores[:, :, n] @ u_n)
-        state = state + u_n.transpose(-1, -2) @ k[:, :, n]
+    w_chunks = w.unbind(2) if w is not None else [None] * n_chunks
+    for q_n, k_n, u_n, w_n, scores_n in zip(q.unbind(2), k.unbind(2), u.unbind(2), w_chunks, scores.unbind(2)):
+        if w_n is not None:
+            u_n = u_n - w_n @ state.transpose(-1, -2)
+        outputs.append(q_n @ state.transpose(-1, -2) + scores_n @ u_n)
+        state = state + u_n.transpose(-1, -2) @ k_n
     o = torch.stack(outputs, dim=2).reshape(batch, heads, n_chunks * chunk, d_v)[:, :, :seq_len]
     return o.to(out_dtype), state
 
