@@ -5,9 +5,9 @@
 
 Sizes: batch 1, 4 heads, d_k = d_v = 64 (one layer of a 256-wide model), float32, `--threads` CPU threads (default 1:
 the numbers stay comparable on a shared machine). Every (method, pass) runs in a fresh subprocess, warmed up on
-T = 64, so its peak memory is measurable: peak resident memory above the resident memory before the measured call
-(VmHWM after resetting it through /proc/self/clear_refs; malloc is told to mmap blocks >= 64 KiB, so freed tensors
-leave RSS and every length starts from the same baseline).
+T = 64. Time: the best of several runs. Memory, measured after all timings: peak resident memory above the resident
+memory before one more call (VmHWM, reset through /proc/self/clear_refs; glibc malloc is then told to mmap every
+block >= 64 KiB and to trim, so that freed tensors leave RSS and every length starts from the same baseline).
 Generation: a 2-layer DeltaGPT (n_embd 256, 4 heads) with each token mixer; after prefilling L tokens, the median
 time of 16 single-token steps with the cache, and the size of the cache.
 
@@ -18,6 +18,7 @@ DeltaNet time per generated token flat in the context length.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -73,32 +74,49 @@ def resident_kib(field: str) -> int:
 
 
 def worker(method: str, backward: bool, lengths: list[int]) -> list[dict]:
-    """One (method, pass) in its own process: warm up on T = 64, then peak memory and times at every length."""
+    """One (method, pass) in its own process: warm up on T = 64, time every length, then measure peak memory."""
     run_method(method, make_inputs(64, backward), backward)
-    return [measure_one(method, seq_len, backward) for seq_len in lengths]
+    rows = []
+    for seq_len in lengths:
+        repeats = 5 if method != "recurrent" else 3 if seq_len < 4096 else 1
+        inputs, times = make_inputs(seq_len, backward), []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run_method(method, inputs, backward)
+            times.append(time.perf_counter() - start)
+        rows.append({"time_s": min(times), "times_s": times})
+    libc = mmap_large_blocks()
+    for seq_len, row in zip(lengths, rows):
+        row["peak_mib"] = peak_memory_mib(method, seq_len, backward, libc)
+    return rows
 
 
-def measure_one(method: str, seq_len: int, backward: bool) -> dict:
-    repeats = 1 if method == "recurrent" and seq_len >= 4096 else 3
-    inputs = make_inputs(seq_len, backward)
+def mmap_large_blocks():
+    """glibc: serve every block >= 64 KiB by mmap, so a freed tensor leaves RSS. None where that is unavailable."""
     try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM)
-        before = resident_kib("VmRSS")
-    except OSError:
-        before = None
-    times = []
-    for _ in range(repeats):
-        for x in inputs:
-            x.grad = None
-        start = time.perf_counter()
-        run_method(method, inputs, backward)
-        times.append(time.perf_counter() - start)
-    peak_mib = None if before is None else (resident_kib("VmHWM") - before) / 1024
-    return {"time_s": min(times), "times_s": times, "peak_mib": peak_mib}
+        libc = ctypes.CDLL("libc.so.6")
+        if libc.mallopt(-3, 65536) != 1:  # M_MMAP_THRESHOLD
+            return None
+        Path("/proc/self/clear_refs").write_text("5")  # can the peak-RSS counter be reset here?
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def peak_memory_mib(method: str, seq_len: int, backward: bool, libc) -> float | None:
+    """Peak resident memory of one call above the resident memory before it (inputs included in the baseline)."""
+    if libc is None:
+        return None
+    inputs = make_inputs(seq_len, backward)
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    before = resident_kib("VmRSS")
+    run_method(method, inputs, backward)
+    return (resident_kib("VmHWM") - before) / 1024
 
 
 def measure(method: str, backward: bool, lengths: tuple[int, ...], threads: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     args = [sys.executable, __file__, "--worker", method, str(int(backward)), ",".join(map(str, lengths))]
     output = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
@@ -150,7 +168,8 @@ def markdown(results: dict) -> str:
         "",
         f"Produced by `python benchmarks/bench_delta_net.py` on {results['machine']}, torch {results['torch']}, "
         f"{results['threads']} thread(s). Sizes: batch {BATCH}, {HEADS} heads, d_k = d_v = {HEAD_DIM}, float32, "
-        f"chunk size {CHUNK}. Time: best of up to 3 runs; memory: peak resident memory above the inputs.",
+        f"chunk size {CHUNK}. Time: best of 5 runs (recurrent: 3, 1 from T = 4096); memory: peak resident memory "
+        "of one call above the inputs.",
         "",
     ]
     for pass_name in PASSES:
