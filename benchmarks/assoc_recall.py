@@ -112,9 +112,10 @@ def evaluate(model: DeltaGPTForCausalLM, test: Dataset, batch_size: int = 250) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps per model; print, do not write results")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mixers", nargs="+", choices=list(MIXERS), default=list(MIXERS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -126,7 +127,7 @@ def main() -> None:
     vocab_size, seq_len = task["key_vocab"] + task["value_vocab"] + 1, len(test[0]["input_ids"])
 
     results = {"task": task, "seq_len": seq_len, "train_sequences": len(train), "steps": steps, "models": {}}
-    for mixer in MIXERS:
+    for mixer in args.mixers:
         started = time.perf_counter()
         model = make_model(mixer, vocab_size, seq_len, args.seed)
         training_args = TrainingArguments(
