@@ -145,7 +145,7 @@ def test_chunkwise_gradients_equal_recurrent_gradients(beta_max):
     ref = grads(lambda q, k, v, b, s0: delta_rule_recurrent(q, k, v, b, s0))
     chunked = grads(lambda q, k, v, b, s0: delta_rule_chunkwise(q, k, v, b, 8, s0))  # 29 = 3 * 8 + 5: padded
     for name, a, b in zip(["q", "k", "v", "beta", "initial_state"], ref, chunked):
-        assert (a - b).abs().max() <= 2e-5 * max(1.0, a.abs().max().item()), name
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, a.abs().max().item()), name  # 1e-5 of the gradient scale
 
 
 def test_gradcheck_float64():
