@@ -126,7 +126,9 @@ def main() -> None:
     test = build_dataset(200 if args.quick else 2000, seed=args.seed + 1, **task)
     vocab_size, seq_len = task["key_vocab"] + task["value_vocab"] + 1, len(test[0]["input_ids"])
 
-    results = {"task": task, "seq_len": seq_len, "train_sequences": len(train), "steps": steps, "models": {}}
+    command = " ".join(["python benchmarks/assoc_recall.py", *(a for a in sys.argv[1:] if a != "--quick")])
+    results = {"command": command, "task": task, "seq_len": seq_len, "train_sequences": len(train), "steps": steps}
+    results["models"] = {}
     for mixer in args.mixers:
         started = time.perf_counter()
         model = make_model(mixer, vocab_size, seq_len, args.seed)
@@ -150,7 +152,7 @@ def main() -> None:
         metrics = evaluate(model, test)
         metrics |= {
             "parameters": sum(p.numel() for p in model.parameters()),
-            "final_train_loss": train_loss,
+            "mean_train_loss": train_loss,
             "train_minutes": (time.perf_counter() - started) / 60,
         }
         results["models"][mixer] = metrics
@@ -169,20 +171,20 @@ def markdown(results: dict) -> str:
     lines = [
         "# Associative recall with overwritten keys",
         "",
-        f"Produced by `python benchmarks/assoc_recall.py`. Each sequence writes {task['n_keys']} distinct keys "
+        f"Produced by `{results['command']}`. Each sequence writes {task['n_keys']} distinct keys "
         f"{task['writes_per_key']} times each (fresh random value each time; {task['key_vocab']} possible keys, "
         f"{task['value_vocab']} values), then queries {task['n_queries']} keys; the answer is the value written last. "
         f"Sequence length {results['seq_len']}; {results['steps']} Trainer steps of batch 64 per model; accuracy over "
         "held-out answers. Models: DeltaGPT, 2 layers, n_embd 64, 4 heads, identical except the token mixer.",
         "",
-        "| token mixer | parameters | answer accuracy | stale (overwritten) value predicted | final train loss |",
+        "| token mixer | parameters | answer accuracy | stale (overwritten) value predicted | mean train loss |",
         "|---|---:|---:|---:|---:|",
     ]
     names = {"delta_net": "DeltaNet (delta rule)", "additive": "additive linear attention", "attention": "softmax"}
     for mixer, m in results["models"].items():
         lines.append(
             f"| {names[mixer]} | {m['parameters']:,} | {100 * m['accuracy']:.1f}% | {100 * m['stale_rate']:.1f}% "
-            f"| {m['final_train_loss']:.3f} |"
+            f"| {m['mean_train_loss']:.3f} |"
         )
     lines += ["", f"Chance: {100 / task['value_vocab']:.1f}%."]
     return "\n".join(lines) + "\n"
