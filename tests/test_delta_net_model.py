@@ -16,6 +16,15 @@ from ddl_hf.ops import delta_rule_recurrent
 VOCAB = 61
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: a second intra-op thread only adds sync cost, which explodes on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(**overrides) -> DeltaGPTConfig:
     fields = dict(
         vocab_size=VOCAB,
