@@ -11,6 +11,8 @@ from transformers import GPT2Config
 
 DELTA_MODES = ("additive", "paper")
 DELTA_GATES = ("linear", "mlp")
+TOKEN_MIXERS = ("attention", "delta_net")
+DELTA_NET_RULES = ("delta", "additive")
 
 # Every Auto class a saved DeltaGPT directory can be loaded with, through Hub custom code.
 AUTO_MAP = {
@@ -53,6 +55,24 @@ class DeltaGPTConfig(GPT2Config):
             Hidden width of the `"mlp"` gate.
         delta_eps (`float`, defaults to 1e-6):
             epsilon of the direction normalisation `k = h / sqrt(|h|^2 + eps^2)`.
+        token_mixer (`str`, defaults to `"attention"`):
+            The sublayer inside each attention Delta residual: `"attention"` (GPT-2's softmax attention) or
+            `"delta_net"` (DeltaNet: the delta rule over time, `S_t = S_{t-1}(I - beta k k^T) + beta v k^T`,
+            `o_t = S_t q_t`, with a constant-size recurrent state per head instead of a KV cache).
+        delta_net_heads (`int`, *optional*):
+            DeltaNet heads; defaults to `n_head`.
+        delta_net_head_dim (`int`, *optional*):
+            d_k = d_v per DeltaNet head; defaults to `n_embd // delta_net_heads`.
+        delta_net_conv_size (`int`, defaults to 4):
+            Kernel size of the short causal depthwise convolution on q, k, v; 0 disables it.
+        delta_net_allow_negative_eigval (`bool`, defaults to `False`):
+            beta = 2 sigmoid(.) in (0, 2) instead of sigmoid(.) in (0, 1): the transition I - beta k k^T can then have
+            the negative eigenvalue 1 - beta (beta = 2 is a reflection).
+        delta_net_rule (`str`, defaults to `"delta"`):
+            `"delta"` (erase and replace) or `"additive"` (purely additive linear attention `S_t = S_{t-1} + beta v
+            k^T`, the same layer with the erase term removed; a baseline).
+        delta_net_chunk_size (`int`, defaults to 64):
+            Chunk length of the chunkwise-parallel delta rule used for training and prefill.
     """
 
     model_type = "delta_gpt"
@@ -63,6 +83,13 @@ class DeltaGPTConfig(GPT2Config):
     delta_gate: str = "linear"
     delta_gate_hidden_size: int = 64
     delta_eps: float = 1e-6
+    token_mixer: str = "attention"
+    delta_net_heads: int | None = None
+    delta_net_head_dim: int | None = None
+    delta_net_conv_size: int = 4
+    delta_net_allow_negative_eigval: bool = False
+    delta_net_rule: str = "delta"
+    delta_net_chunk_size: int = 64
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -98,6 +125,35 @@ class DeltaGPTConfig(GPT2Config):
             fail("delta_eps", "expected a finite number > 0")
         if self.add_cross_attention:
             fail("add_cross_attention", "DeltaGPT is a decoder-only model; cross-attention is not supported")
+        self.validate_token_mixer()
+
+    def validate_token_mixer(self) -> None:
+        """The token mixer fields: a ValueError naming the field, the value and what is allowed."""
+
+        def fail(field: str, allowed: str) -> None:
+            raise ValueError(f"DeltaGPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.token_mixer not in TOKEN_MIXERS:
+            fail("token_mixer", f"expected one of {TOKEN_MIXERS}")
+        if self.delta_net_heads is not None and not (is_int(self.delta_net_heads) and self.delta_net_heads >= 1):
+            fail("delta_net_heads", "expected None (= n_head) or an integer >= 1")
+        heads = self.delta_net_heads or self.n_head
+        if self.delta_net_head_dim is None:
+            if self.token_mixer == "delta_net" and self.n_embd % heads:
+                fail("delta_net_head_dim", f"None needs n_embd={self.n_embd} divisible by {heads} heads; set it")
+        elif not (is_int(self.delta_net_head_dim) and self.delta_net_head_dim >= 1):
+            fail("delta_net_head_dim", "expected None (= n_embd // heads) or an integer >= 1")
+        if not (is_int(self.delta_net_conv_size) and self.delta_net_conv_size >= 0):
+            fail("delta_net_conv_size", "expected an integer >= 0 (0 = no short convolution)")
+        if not isinstance(self.delta_net_allow_negative_eigval, bool):
+            fail("delta_net_allow_negative_eigval", "expected True (beta in (0, 2)) or False (beta in (0, 1))")
+        if self.delta_net_rule not in DELTA_NET_RULES:
+            fail("delta_net_rule", f"expected one of {DELTA_NET_RULES}")
+        if not (is_int(self.delta_net_chunk_size) and self.delta_net_chunk_size >= 1):
+            fail("delta_net_chunk_size", "expected an integer >= 1")
 
 
 __all__ = ["DeltaGPTConfig"]

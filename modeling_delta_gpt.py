@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -140,6 +140,272 @@ class DeltaResidual(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DeltaNet: the delta rule over time (paper §4.2), as a token mixer that can replace GPT-2's attention.
+#
+#   S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t,   S_t in R^{d_v x d_k} per head.
+#
+# DDL applies this rank-1 Delta Operator over depth; DeltaNet applies it over the sequence.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision inputs (the state accumulates over the whole sequence), else the input dtype."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    erase: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule one token at a time: the reference form, and the decoding step (constant work per token).
+
+    Args:
+        q, k: `[B, H, T, d_k]`. DeltaNet uses unit-norm k (then every step is a contraction for beta in [0, 2]);
+            the rule itself is computed exactly for any k.
+        v: `[B, H, T, d_v]`.
+        beta: `[B, H, T]`, in (0, 1), or (0, 2) for the negative-eigenvalue variant.
+        initial_state: `[B, H, d_v, d_k]`, or None for zeros.
+        erase: False drops the `- beta k k^T` term, i.e. purely additive linear attention `S_t = S_{t-1} + beta v k^T`.
+
+    Returns:
+        `o` `[B, H, T, d_v]` with `o_t = S_t q_t`, in v's dtype, and the final state `S_T` `[B, H, d_v, d_k]`
+        (float32 for half-precision inputs).
+    """
+    out_dtype, dtype = v.dtype, _compute_dtype(v)
+    batch, heads, _, d_k = k.shape
+    d_v = v.shape[-1]
+    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
+    state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
+    outputs = []
+    # unbind, not k[:, :, t]: the backward of one unbind is one stack, that of T slices is T full-size zero tensors.
+    steps = zip(q.unsqueeze(-1).unbind(2), k.unsqueeze(-1).unbind(2), v.unsqueeze(-1).unbind(2), beta.unbind(2))
+    for q_t, k_t, v_t, beta_t in steps:  # q_t, k_t: [B, H, d_k, 1]; v_t: [B, H, d_v, 1]; beta_t: [B, H]
+        write = v_t - state @ k_t if erase else v_t  # v_t - S_{t-1} k_t: replace what the memory returns for k_t
+        state = state + beta_t[..., None, None] * write @ k_t.transpose(-1, -2)
+        outputs.append(state @ q_t)
+    if not outputs:
+        return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+    return torch.cat(outputs, dim=-1).transpose(-1, -2).to(out_dtype), state
+
+
+def delta_rule_chunkwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    *,
+    erase: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule, chunkwise-parallel: the same inputs and outputs as `delta_rule_recurrent`, T/chunk_size steps.
+
+    Within a chunk that starts from state S_0, the chunk's rank-1 updates have a WY/UT form. With
+    `A = strict_lower(diag(beta) K K^T)`, the pseudo-values `U = (I + A)^{-1} diag(beta) V` and
+    `W = (I + A)^{-1} diag(beta) K` come from one unit-lower-triangular solve (for all chunks at once), and
+
+        U' = U - W S_0^T,    O = Q S_0^T + causal(Q K^T) U',    S_C = S_0 + U'^T K,
+
+    so only the cheap state hand-over between chunks is sequential. T is zero-padded to a multiple of the chunk
+    size; padded steps have beta = 0 and k = 0 and leave the state unchanged. `erase=False`: A = 0 and W = 0.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out_dtype, dtype = v.dtype, _compute_dtype(v)
+    batch, heads, seq_len, d_k = k.shape
+    d_v = v.shape[-1]
+    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
+    state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
+    if seq_len == 0:
+        return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+
+    chunk = min(chunk_size, seq_len)
+    padding = -seq_len % chunk
+    if padding:
+        q, k, v = (nn.functional.pad(x, (0, 0, 0, padding)) for x in (q, k, v))
+        beta = nn.functional.pad(beta, (0, padding))
+    n_chunks = (seq_len + padding) // chunk
+    q, k, v = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (q, k, v))
+    beta = beta.reshape(batch, heads, n_chunks, chunk, 1)
+
+    # Within chunks, all chunks at once: the UT transform and the causal scores.
+    k_beta, v_beta = k * beta, v * beta
+    if erase:
+        a_strict = (k_beta @ k.transpose(-1, -2)).tril(-1)  # A[r, i] = beta_r k_r . k_i for i < r
+        # unitriangular=True reads only the strict lower part, so this solves (I + A) [U W] = diag(beta) [V K].
+        u, w = torch.linalg.solve_triangular(
+            a_strict, torch.cat([v_beta, k_beta], dim=-1), upper=False, unitriangular=True
+        ).split([d_v, d_k], dim=-1)
+    else:
+        u, w = v_beta, None
+    scores = (q @ k.transpose(-1, -2)).tril()  # diagonal included: o_r reads the state after token r's write
+
+    # Across chunks: carry the state (unbind: see delta_rule_recurrent).
+    outputs = []
+    w_chunks = w.unbind(2) if w is not None else [None] * n_chunks
+    for q_n, k_n, u_n, w_n, scores_n in zip(q.unbind(2), k.unbind(2), u.unbind(2), w_chunks, scores.unbind(2)):
+        if w_n is not None:
+            u_n = u_n - w_n @ state.transpose(-1, -2)
+        outputs.append(q_n @ state.transpose(-1, -2) + scores_n @ u_n)
+        state = state + u_n.transpose(-1, -2) @ k_n
+    o = torch.stack(outputs, dim=2).reshape(batch, heads, n_chunks * chunk, d_v)[:, :, :seq_len]
+    return o.to(out_dtype), state
+
+
+class DeltaNetCacheLayer(LinearAttentionLayer):
+    """transformers' linear-attention cache layer (conv window + recurrent state), plus a count of absorbed tokens.
+
+    The state is `[B, H, d_v, d_k]` whatever the context length: constant memory per generated token. The count
+    exists because GPT-2's absolute position embeddings and `generate` ask the cache for its sequence length, which
+    transformers' all-linear caches cannot answer.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(number_of_states=1)
+        self.seen_tokens = 0
+        self.keys = self.values = None  # no key/value tensors: keeps `Cache` helpers that read them working
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, state_idx: int = 0, num_new_tokens: int = 0, **kwargs
+    ) -> torch.Tensor:
+        self.seen_tokens += num_new_tokens
+        # transformers marks "has a previous state" only in update_conv_state; without a conv that never runs.
+        self.has_previous_state[state_idx] = True
+        return super().update_recurrent_state(recurrent_states, state_idx)
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens = 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for i in range(self.number_of_states):
+            if self.is_conv_states_initialized[i]:
+                self.conv_states[i] = self.conv_states[i].repeat_interleave(repeats, dim=0)
+            if self.is_recurrent_states_initialized[i]:
+                self.recurrent_states[i] = self.recurrent_states[i].repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for i in range(self.number_of_states):
+            if self.is_conv_states_initialized[i]:
+                self.conv_states[i] = self.conv_states[i][indices]
+            if self.is_recurrent_states_initialized[i]:
+                self.recurrent_states[i] = self.recurrent_states[i][indices]
+
+
+class DeltaNetCache(Cache):
+    """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors.
+
+    `DeltaGPTModel` and `generate` create it; pass one yourself as `past_key_values=DeltaNetCache(config)`.
+    """
+
+    def __init__(self, config: DeltaGPTConfig):
+        super().__init__(layers=[DeltaNetCacheLayer() for _ in range(config.num_hidden_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].seen_tokens if layer_idx < len(self.layers) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # the token count is a Python int
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise RuntimeError("DeltaNetCache cannot be cropped: the recurrent state cannot forget tokens.")
+
+
+class DeltaNetAttention(nn.Module):
+    """DeltaNet token mixer, a drop-in for `GPT2Attention` in a DeltaGPT block (returns `(output, None)`).
+
+    x -> q, k, v projections -> optional short causal depthwise conv + SiLU -> L2-normalised q, k;
+    beta = sigmoid(W_beta x) per head (times 2 with `delta_net_allow_negative_eigval`, so beta in (0, 2) and the
+    transition I - beta k k^T can have eigenvalue 1 - beta < 0) -> delta rule over time -> per-head RMSNorm ->
+    output projection. Padding (2-D attention mask, 0 = pad): padded tokens get beta = 0 and a zero conv input, so
+    they neither write to nor erase from the state; left padding therefore gives the same outputs as no padding.
+    """
+
+    def __init__(self, config: DeltaGPTConfig, layer_idx: int | None = None):
+        super().__init__()
+        hidden_size = config.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads = config.delta_net_heads or config.num_attention_heads
+        self.head_dim = config.delta_net_head_dim or hidden_size // self.num_heads
+        self.inner_dim = self.num_heads * self.head_dim
+        self.conv_size = config.delta_net_conv_size
+        self.beta_scale = 2.0 if config.delta_net_allow_negative_eigval else 1.0
+        self.erase = config.delta_net_rule == "delta"
+        self.chunk_size = config.delta_net_chunk_size
+
+        self.q_proj = nn.Linear(hidden_size, self.inner_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.inner_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.inner_dim, bias=False)
+        self.b_proj = nn.Linear(hidden_size, self.num_heads)
+        if self.conv_size > 0:
+            conv_dim = 3 * self.inner_dim  # one depthwise conv over [q | k | v]: one cached window per layer
+            self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.conv_size, groups=conv_dim, bias=False)
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.layer_norm_epsilon)
+        self.o_proj = nn.Linear(self.inner_dim, hidden_size)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        batch, seq_len, _ = hidden_states.shape
+        cache = past_key_values
+        if cache is not None and not isinstance(cache, DeltaNetCache):
+            raise TypeError(
+                f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
+                "pass past_key_values=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
+            )
+        token_mask = None
+        if attention_mask is not None:
+            token_mask = attention_mask[:, -seq_len:].to(hidden_states.dtype)  # 1 = token, 0 = padding
+            hidden_states = hidden_states * token_mask.unsqueeze(-1)
+
+        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        initial_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        if self.conv_size > 0:
+            qkv = self._short_conv(qkv, cache)
+        q, k, v = (
+            x.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2) for x in qkv.split(self.inner_dim, -1)
+        )
+        q, k = nn.functional.normalize(q, dim=-1, eps=1e-6), nn.functional.normalize(k, dim=-1, eps=1e-6)
+        beta = self.beta_scale * torch.sigmoid(self.b_proj(hidden_states).float()).transpose(1, 2)  # [B, H, T]
+        if token_mask is not None:
+            beta = beta * token_mask.unsqueeze(1)
+
+        if seq_len == 1:  # decoding: one rank-1 update
+            o, state = delta_rule_recurrent(q, k, v, beta, initial_state, erase=self.erase)
+        else:
+            o, state = delta_rule_chunkwise(q, k, v, beta, self.chunk_size, initial_state, erase=self.erase)
+        if cache is not None:
+            cache.update_recurrent_state(state.detach(), self.layer_idx, num_new_tokens=seq_len)
+
+        o = self.o_norm(o.transpose(1, 2)).reshape(batch, seq_len, self.inner_dim)
+        return self.resid_dropout(self.o_proj(o)), None
+
+    def _short_conv(self, qkv: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """SiLU(causal depthwise conv) over time; with a cache, the last `conv_size` inputs are carried over."""
+        seq_len = qkv.shape[1]
+        x = qkv.transpose(1, 2)  # [B, C, T]
+        if cache is not None:  # prefill: x (zero-padded to conv_size); decoding: [cached window | x]
+            x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_size)
+        x = nn.functional.pad(x, (self.conv_size - 1, 0))
+        y = nn.functional.conv1d(x, self.conv1d.weight, groups=x.shape[1])[..., -seq_len:]
+        return nn.functional.silu(y).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -153,7 +419,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
 
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config=config, layer_idx=layer_idx)
+        if config.token_mixer == "delta_net":
+            self.attn = DeltaNetAttention(config=config, layer_idx=layer_idx)
+        else:
+            self.attn = GPT2Attention(config=config, layer_idx=layer_idx)
         self.attn_delta = DeltaResidual(config)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config)
@@ -252,6 +521,8 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
         if isinstance(module, (GPT2Attention, GPT2MLP)):
             # GPT-2's scaled init of the residual projections: 2 residual paths per layer.
             init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        if isinstance(module, DeltaNetAttention):  # same scaled init for the DeltaNet output projection
+            init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
         if isinstance(module, DeltaResidual):
             # beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0 so beta is the same for every
             # token; rho (the opening) and b are set so that beta == delta_beta_init exactly.
@@ -331,8 +602,9 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         else:
             raise ValueError("You have to specify either input_ids or inputs_embeds")
 
+        delta_net = self.config.token_mixer == "delta_net"
         if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+            past_key_values = DeltaNetCache(self.config) if delta_net else DynamicCache(config=self.config)
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
 
@@ -347,13 +619,18 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
 
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        if delta_net:  # causal by construction: DeltaNet only needs the 2-D padding mask
+            if attention_mask is not None and attention_mask.ndim != 2:
+                raise ValueError("token_mixer='delta_net' supports only a 2-D [batch, seq_len] padding mask.")
+            causal_mask = attention_mask
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
 
         hidden_states = self.drop(hidden_states)
         if self.value_channels > 1:
@@ -428,6 +705,18 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         self.transformer = DeltaGPTModel(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """`generate` builds a DynamicCache from the config; a DeltaNet model needs its recurrent-state cache."""
+        wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        if self.config.token_mixer != "delta_net" or not wants_new_cache:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
+                "token_mixer='delta_net': its DeltaNetCache is already fixed-size. Leave cache_implementation unset."
+            )
+        model_kwargs["past_key_values"] = DeltaNetCache(self.config)
 
     @can_return_tuple
     def forward(

@@ -1,0 +1,262 @@
+"""DeltaGPT with token_mixer="delta_net": config, the layer, cache, generate, padding, Trainer, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments
+from transformers.cache_utils import LinearAttentionLayer
+
+import ddl_hf  # noqa: F401  (registers the Auto classes)
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf.modeling_delta_gpt import DeltaNetAttention, DeltaNetCache
+from ddl_hf.ops import delta_rule_recurrent
+
+VOCAB = 61
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: a second intra-op thread only adds sync cost, which explodes on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides) -> DeltaGPTConfig:
+    fields = dict(
+        vocab_size=VOCAB,
+        n_positions=96,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        token_mixer="delta_net",
+        delta_net_chunk_size=8,  # several chunks (and padding) at test lengths
+        delta_beta_init=0.5,  # Delta residuals open, so the DeltaNet output matters everywhere
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return DeltaGPTConfig(**(fields | overrides))
+
+
+def tiny_model(seed: int = 0, **overrides) -> DeltaGPTForCausalLM:
+    torch.manual_seed(seed)
+    return DeltaGPTForCausalLM(tiny_config(**overrides)).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("token_mixer", "mamba"),
+        ("delta_net_rule", "gated"),
+        ("delta_net_heads", 0),
+        ("delta_net_heads", True),
+        ("delta_net_head_dim", -1),
+        ("delta_net_conv_size", -1),
+        ("delta_net_allow_negative_eigval", "yes"),
+        ("delta_net_chunk_size", 0),
+    ],
+)
+def test_bad_token_mixer_fields_name_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"DeltaGPTConfig\.{field}={value!r} is invalid"):
+        tiny_config(**{field: value})
+
+
+def test_heads_that_do_not_divide_the_width_need_an_explicit_head_dim():
+    with pytest.raises(ValueError, match="delta_net_head_dim=None is invalid"):
+        tiny_config(delta_net_heads=3)
+    layer = DeltaNetAttention(tiny_config(delta_net_heads=3, delta_net_head_dim=5))
+    assert layer.q_proj.out_features == 15 and layer.o_proj.in_features == 15
+
+
+def test_attention_is_the_default_mixer():
+    assert DeltaGPTConfig().token_mixer == "attention"
+    assert type(tiny_model(token_mixer="attention").transformer.h[0].attn).__name__ == "GPT2Attention"
+    assert isinstance(tiny_model().transformer.h[0].attn, DeltaNetAttention)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer, against a plain re-computation from its weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("negative_eigval", [False, True])
+def test_layer_matches_a_token_by_token_recomputation(negative_eigval):
+    config = tiny_config(delta_net_allow_negative_eigval=negative_eigval, delta_net_conv_size=3)
+    torch.manual_seed(0)
+    layer = DeltaNetAttention(config, layer_idx=0).eval()
+    with torch.no_grad():  # a visible conv and gate (the HF init would make them tiny)
+        layer.conv1d.weight.normal_()
+        layer.b_proj.weight.normal_(std=0.5)
+    x = torch.randn(2, 11, 32)
+    out, _ = layer(x)
+
+    heads, dim = layer.num_heads, layer.head_dim
+    qkv = torch.cat([x @ layer.q_proj.weight.T, x @ layer.k_proj.weight.T, x @ layer.v_proj.weight.T], -1)
+    weight = layer.conv1d.weight[:, 0]  # [C, 3]: tap j multiplies x_{t-2+j}
+    conv = torch.stack(
+        [sum(weight[:, j] * qkv[:, t - 2 + j] for j in range(3) if t - 2 + j >= 0) for t in range(11)], dim=1
+    )
+    q, k, v = (torch.nn.functional.silu(z).view(2, 11, heads, dim).transpose(1, 2) for z in conv.split(32, -1))
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    beta = (2.0 if negative_eigval else 1.0) * torch.sigmoid(layer.b_proj(x)).transpose(1, 2)
+    assert (beta.max() > 1.0) == negative_eigval
+    o, _ = delta_rule_recurrent(q, k, v, beta)
+    o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + config.layer_norm_epsilon) * layer.o_norm.weight
+    expected = layer.o_proj(o.transpose(1, 2).reshape(2, 11, 32))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_additive_rule_is_the_same_layer_without_erase():
+    delta, additive = tiny_model(seed=3), tiny_model(seed=3, delta_net_rule="additive")
+    assert delta.state_dict().keys() == additive.state_dict().keys()
+    additive.load_state_dict(delta.state_dict())
+    ids = torch.randint(0, VOCAB, (1, 20))
+    assert not torch.allclose(delta(ids).logits, additive(ids).logits, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache and generate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"delta_net_conv_size": 0}, {"delta_net_allow_negative_eigval": True}, {"delta_net_rule": "additive"}],
+    ids=["conv4", "no_conv", "negative_eigval", "additive"],
+)
+def test_cached_forward_equals_full_forward(overrides):
+    model = tiny_model(**overrides)
+    ids = torch.randint(0, VOCAB, (2, 30))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :13], use_cache=True)  # prefill (chunked, padded), then a 2-token step, then 1 at a time
+        cache, pieces = out.past_key_values, [out.logits]
+        assert isinstance(cache, DeltaNetCache) and cache.get_seq_length() == 13
+        for start, stop in [(13, 15), *((t, t + 1) for t in range(15, 30))]:
+            out = model(ids[:, start:stop], past_key_values=cache, use_cache=True)
+            pieces.append(out.logits)
+    assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
+    assert cache.get_seq_length() == 30
+
+
+def test_cache_memory_is_constant_in_context_length():
+    model = tiny_model()
+
+    def cache_bytes(length):
+        with torch.no_grad():
+            cache = model(torch.randint(0, VOCAB, (1, length)), use_cache=True).past_key_values
+        assert all(type(layer).__mro__[1] is LinearAttentionLayer for layer in cache.layers)
+        states = [t for layer in cache.layers for t in (*layer.conv_states.values(), *layer.recurrent_states.values())]
+        assert states[1].shape == (1, 4, 8, 8)  # [B, H, d_v, d_k] per layer
+        return sum(t.numel() * t.element_size() for t in states)
+
+    assert cache_bytes(5) == cache_bytes(80)
+
+
+@pytest.mark.parametrize("rule", ["delta", "additive"])
+def test_greedy_generate_with_cache_equals_without(rule):
+    model = tiny_model(delta_net_rule=rule)
+    prompt = torch.randint(0, VOCAB, (2, 9))
+    kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert cached.shape == (2, 41)
+    assert torch.equal(cached, uncached)
+
+
+def test_beam_search_with_cache_equals_without():
+    model = tiny_model()
+    prompt = torch.randint(0, VOCAB, (2, 7))
+    kwargs = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
+    cached, uncached = (model.generate(prompt, use_cache=use_cache, **kwargs) for use_cache in (True, False))
+    assert torch.equal(cached, uncached)
+
+
+def test_left_padded_batch_equals_each_prompt_alone():
+    model = tiny_model()
+    prompts = [torch.randint(1, VOCAB, (n,)) for n in (5, 12)]
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, 12 - len(prompt) :], mask[row, 12 - len(prompt) :] = prompt, 1
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], **kwargs)
+        assert torch.equal(together[row, 12:], alone[0, len(prompt) :])
+
+
+def test_wrong_cache_or_mask_raise_clear_errors():
+    model = tiny_model()
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with pytest.raises(TypeError, match="needs a DeltaNetCache"):
+        model(ids, past_key_values=DynamicCache(), use_cache=True)
+    with pytest.raises(ValueError, match="2-D"):
+        model(ids, attention_mask=torch.ones(1, 1, 6, 6))
+    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="static", pad_token_id=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training and serialisation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(0, VOCAB, (2, 20))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(seed=1).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".attn.conv1d." in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_trainer_steps_update_the_delta_net_weights(tmp_path):
+    model = tiny_model(seed=2).train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
+    ids = torch.randint(0, VOCAB, (16, 24))
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+    )
+    result = Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    changed = [n for n, p in model.named_parameters() if n in before and not torch.equal(before[n], p.detach())]
+    for part in ("q_proj", "k_proj", "v_proj", "b_proj", "conv1d", "o_norm", "o_proj"):
+        assert any(f".attn.{part}." in n for n in changed), part
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model(delta_net_allow_negative_eigval=True, delta_net_conv_size=2, delta_net_rule="additive")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, DeltaGPTForCausalLM)
+    for field in ("token_mixer", "delta_net_allow_negative_eigval", "delta_net_conv_size", "delta_net_rule"):
+        assert getattr(loaded.config, field) == getattr(model.config, field)
+    state, loaded_state = model.state_dict(), loaded.state_dict()
+    assert state.keys() == loaded_state.keys()
+    assert all(torch.equal(state[name], loaded_state[name]) for name in state)
+    ids = torch.randint(0, VOCAB, (1, 15))
+    # Loaded tensors sit at other memory alignments, so SIMD reductions may round differently (also for attention).
+    torch.testing.assert_close(model(ids).logits, loaded(ids).logits, rtol=0, atol=1e-6)
