@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
@@ -411,7 +411,8 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
         reads = {"transformer.read_out": model.transformer.read_out}
         for name, delta, _ in _delta_blocks(model):
             reads[f"{name}.read_weights"] = delta.read_weights
-        off = {name: float(w.float().sum()) for name, w in reads.items() if abs(float(w.float().sum()) - 1.0) > 1e-6}
+        sums = {name: float(w.detach().float().sum()) for name, w in reads.items()}
+        off = {name: total for name, total in sums.items() if abs(total - 1.0) > 1e-6}
         if off:
             raise ValueError(
                 "Cannot export to GPT-2 exactly: with d_v > 1 every read vector must sum to 1 so that reading the "
@@ -681,12 +682,17 @@ def push_converted_to_hub(
     """Upload a directory written by `convert_checkpoint` as it is (the same files), return the commit URL.
 
     `model.push_to_hub(repo)` uploads only what `save_pretrained` writes (config, code, weights, generation config)
-    plus a model card; `tokenizer.push_to_hub(repo)` adds the tokenizer. Uploading the folder sends everything at
-    once, including our model card.
+    plus a model card; `tokenizer.push_to_hub(repo)` adds the tokenizer. This sends every file of the folder in one
+    commit, including our model card (what `hf upload REPO OUT` does too).
     """
+    folder = Path(output)
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not (folder / "config.json").is_file():
+        raise ConversionError(f"{folder} is not a converted model directory (no config.json); nothing was uploaded.")
     api = HfApi(token=token)
     repo = api.create_repo(repo_id, private=private, exist_ok=True)
-    commit = api.upload_folder(folder_path=os.fspath(output), repo_id=repo.repo_id, commit_message=commit_message)
+    operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=p) for p in files]
+    commit = api.create_commit(repo_id=repo.repo_id, operations=operations, commit_message=commit_message)
     return str(getattr(commit, "commit_url", commit))
 
 
@@ -727,6 +733,12 @@ def run_cli(args: argparse.Namespace) -> int:
         f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
         + (f" --gate {args.gate}" if args.gate != "linear" else "")
     )
+    if args.push_to_hub and not args.base_model and os.path.exists(args.source):
+        print(
+            f"note: the model card's base_model will be the local path {args.source}; pass --base-model HUB_ID "
+            "to link the Hub repository to the model it was converted from.",
+            file=sys.stderr,
+        )
     try:
         report = convert_checkpoint(
             args.source,
