@@ -400,7 +400,7 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
     open_blocks = {name: bound for name, bound in bounds.items() if bound > 0.0}
     if open_blocks:
         worst = max(open_blocks, key=open_blocks.get)
-        rho = float(model.get_submodule(worst).beta_open.float().clamp(0, 1))
+        rho = float(model.get_submodule(worst).beta_open.detach().float().clamp(0, 1))
         raise ValueError(
             f"Cannot export to GPT-2 exactly: {len(open_blocks)} of {len(bounds)} Delta blocks have an open gate. "
             f"Largest beta found: {open_blocks[worst]:.6g} in {worst} (the supremum over all inputs; its opening "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,26 +49,34 @@ def source_dir(tmp_path_factory) -> Path:
     return directory
 
 
+HUB_ID = "someone/tiny-gpt2"
+
+
 @pytest.fixture(scope="module")
-def converted_dir(source_dir, tmp_path_factory) -> Path:
-    """Converted once by the thin script in a subprocess (d_v = 4), shared by the layout and loading tests."""
+def hub_cache(source_dir, tmp_path_factory) -> Path:
+    """The source laid out as the Hub cache holds a downloaded repository, so `--source someone/tiny-gpt2` takes the
+    real Hub code path (hf_hub_download, resolved offline from the cache) instead of the local-directory one."""
+    cache = tmp_path_factory.mktemp("hub-cache")
+    repo = cache / f"models--{HUB_ID.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(source_dir, repo / "snapshots" / commit)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def converted_dir(hub_cache, tmp_path_factory) -> Path:
+    """Converted once from the Hub id by the thin script in a subprocess (d_v = 4); shared by later tests."""
     out = tmp_path_factory.mktemp("converted") / "gpt2-delta"
+    script = str(REPO_ROOT / "conversion" / "convert_gpt2_to_delta_gpt.py")
     result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "conversion" / "convert_gpt2_to_delta_gpt.py"),
-            "--source",
-            str(source_dir),
-            "--output",
-            str(out),
-            "--value-channels",
-            "4",
-        ],
+        [sys.executable, script, "--source", HUB_ID, "--output", str(out), "--value-channels", "4"],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
         timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)},
     )
     assert result.returncode == 0, result.stderr
     assert "Equivalence report" in result.stdout and "greedy 64 tokens identical  : True" in result.stdout
@@ -120,10 +129,10 @@ def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
         assert torch.equal(weights[name], tensor), name
 
 
-def test_model_card(converted_dir, source_dir):
+def test_model_card(converted_dir):
     card = ModelCard.load(converted_dir / "README.md")
     assert card.data.library_name == "transformers"
-    assert card.data.base_model == str(source_dir)
+    assert card.data.base_model == HUB_ID
     assert {"delta-gpt", "deep-delta-learning", "gpt2"} <= set(card.data.tags)
     text = card.text
     assert "## How it was made" in text and "convert-gpt2-to-delta-gpt --source" in text
