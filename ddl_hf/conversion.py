@@ -141,6 +141,19 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    """Turn transformers' own bars (loading/writing weights) off with ours, and restore them afterwards."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> GPT2LMHeadModel:
     """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
 
@@ -193,12 +206,20 @@ def convert_gpt2(source: str | os.PathLike | GPT2LMHeadModel, **config_overrides
     parameters are new, initialised so that beta == `delta_beta_init` exactly (default 0.0: in the additive mode the
     result computes the source's function). Raises `ConversionError` for anything that is not exactly GPT-2.
     """
+    return _convert(source, config_overrides, share_weights=False)
+
+
+def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTForCausalLM:
+    """convert_gpt2; `share_weights=True` lets the result use the source's tensors (saves a copy of the weights
+    when the caller owns the source and will not train either model, as `convert_checkpoint` does)."""
     overrides = dict(config_overrides)
     if isinstance(source, GPT2LMHeadModel):
         _check_gpt2_config(source.config, f"The {type(source).__name__} passed in")
         gpt2, dtype = source, overrides.pop("dtype", None)
         dtype = gpt2.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
-        state_dict = {name: tensor.detach().clone() for name, tensor in gpt2.state_dict().items()}
+        state_dict = gpt2.state_dict()
+        if not share_weights:
+            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
     elif isinstance(source, (str, os.PathLike)):
         gpt2 = load_gpt2(source, overrides.pop("dtype", "auto"))
         dtype, state_dict = gpt2.dtype, gpt2.state_dict()
@@ -608,6 +629,33 @@ def convert_checkpoint(
         config_overrides, delta_mode=delta_mode, delta_value_channels=value_channels, delta_beta_init=beta_init
     )
 
+    with _progress_bars(progress):
+        return _convert_checkpoint(
+            source,
+            source_name,
+            output,
+            torch_dtype,
+            overrides,
+            max_shard_size,
+            base_model,
+            tokenizer,
+            progress,
+            command,
+        )
+
+
+def _convert_checkpoint(
+    source,
+    source_name,
+    output: Path,
+    torch_dtype,
+    overrides: dict,
+    max_shard_size,
+    base_model: str,
+    tokenizer,
+    progress: bool,
+    command: str | None,
+) -> EquivalenceReport:
     stages = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
     created_parents = [p for p in reversed(output.parents) if not p.exists()]
     tmp: Path | None = None
@@ -623,7 +671,7 @@ def convert_checkpoint(
         stages.update()
 
         stages.set_postfix_str("converting")
-        converted = convert_gpt2(gpt2, **overrides)
+        converted = _convert(gpt2, overrides, share_weights=True)
         stages.update()
 
         stages.set_postfix_str("writing weights")

@@ -18,6 +18,7 @@ from gpt2_fixtures import (
     text_ids,
     trained_gpt2,
 )
+from transformers import GPT2Config
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
@@ -63,6 +64,14 @@ def test_family_shapes_convert_equivalently(family, value_channels, tmp_path):
     assert converted.config.delta_value_channels == value_channels
     figures = check_equivalent(source, converted)
     print(f"{family} d_v={value_channels}: max|dlogit|={figures['max_diff']:.3e} ppl={figures['ppl']:.6g}")
+
+
+def test_distilgpt2_at_full_size_converts_equivalently():
+    """The one family member that fits the CI budget unreduced: distilgpt2's exact config (82M parameters)."""
+    source = random_gpt2(GPT2Config(n_layer=6))  # n_embd 768, 12 heads, vocab 50257, context 1024
+    assert sum(p.numel() for p in source.parameters()) == 81_912_576
+    figures = check_equivalent(source, ddl_hf.convert_gpt2(source))
+    print(f"distilgpt2 full size d_v=1: max|dlogit|={figures['max_diff']:.3e} ppl={figures['ppl']:.6g}")
 
 
 @pytest.mark.parametrize("value_channels", [1, 4])

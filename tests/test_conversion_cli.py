@@ -447,6 +447,23 @@ def test_interruption_leaves_nothing(source_dir, tmp_path, capsys, monkeypatch):
     assert listing(tmp_path) == set()
 
 
+def test_failed_verification_writes_nothing(source_dir, tmp_path, capsys, monkeypatch):
+    """Should a conversion ever not reproduce the source, the output is not written."""
+    import ddl_hf.conversion as conversion
+
+    real_report = conversion.equivalence_report
+
+    def corrupted(*args, **kwargs):
+        report = real_report(*args, **kwargs)
+        report.max_abs_logit_diff = 0.5
+        return report
+
+    monkeypatch.setattr(conversion, "equivalence_report", corrupted)
+    out = tmp_path / "out"
+    code = run_convert("--source", str(source_dir), "--output", str(out))
+    assert_refused(capsys, code, out, "Verification failed", "5.000e-01")
+
+
 def test_failed_final_rename_restores_the_old_output(source_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
