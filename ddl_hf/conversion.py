@@ -154,6 +154,14 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _describe_mismatch(entry) -> str:
+    """transformers reports (name, shape in the checkpoint, shape the config asks for)."""
+    if isinstance(entry, tuple) and len(entry) == 3:
+        name, found, expected = entry
+        return f"{name} {list(found)} in the checkpoint, {list(expected)} for config.json"
+    return str(entry)
+
+
 def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> GPT2LMHeadModel:
     """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
 
@@ -165,13 +173,16 @@ def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
         raise ConversionError(
-            f"Cannot read a model config from {name!r}: {error}\nPass a Hub id such as 'gpt2' (online, or cached "
-            "with HF_HUB_OFFLINE unset) or a local directory containing config.json."
+            f"Cannot read a model config from {name!r}: {error}\nPass a Hub id such as 'gpt2' (this needs network "
+            "access or a copy in the Hugging Face cache) or a local directory containing config.json."
         ) from error
     _check_gpt2_config(config, repr(name))
     try:
         with _quiet_transformers():
-            model, info = GPT2LMHeadModel.from_pretrained(name, dtype=_resolve_dtype(dtype), output_loading_info=True)
+            # ignore_mismatched_sizes: report wrongly shaped weights by name below instead of a bare error.
+            model, info = GPT2LMHeadModel.from_pretrained(
+                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True
+            )
     except (OSError, RuntimeError, ValueError) as error:
         raise ConversionError(
             f"Cannot load GPT-2 weights from {name!r}: {error}\n"
@@ -183,7 +194,8 @@ def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto
     if info["unexpected_keys"]:
         problems.append(f"unexpected weights: {', '.join(sorted(info['unexpected_keys']))}")
     if info["mismatched_keys"]:
-        problems.append(f"weights with the wrong shape: {', '.join(sorted(str(k) for k in info['mismatched_keys']))}")
+        shapes = [_describe_mismatch(entry) for entry in sorted(info["mismatched_keys"], key=str)]
+        problems.append(f"weights with the wrong shape: {', '.join(shapes)}")
     if problems:
         raise ConversionError(
             f"{name!r} does not hold exactly the weights of a GPT2LMHeadModel for its config: "
@@ -224,9 +236,11 @@ def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTFor
         gpt2 = load_gpt2(source, overrides.pop("dtype", "auto"))
         dtype, state_dict = gpt2.dtype, gpt2.state_dict()
     else:
+        if hasattr(source, "config"):
+            _check_gpt2_config(source.config, f"The {type(source).__name__} passed in")
         raise ConversionError(
-            f"source must be a Hub id, a directory or a GPT2LMHeadModel, not {type(source).__name__}."
-            + (" Use the model's language-model class (GPT2LMHeadModel)." if hasattr(source, "config") else "")
+            f"source must be a Hub id, a directory or a GPT2LMHeadModel, not a {type(source).__name__}. "
+            "Load the checkpoint with GPT2LMHeadModel.from_pretrained (or pass its path) instead."
         )
     config = _delta_config(gpt2.config, overrides)
 

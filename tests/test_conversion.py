@@ -170,7 +170,7 @@ def test_other_gpt2_flags_convert_equivalently(flags):
 def test_bad_sources_and_overrides_raise_clear_errors():
     from transformers import BertConfig, BertModel
 
-    with pytest.raises(ConversionError, match="GPT2LMHeadModel"):
+    with pytest.raises(ConversionError, match="not a GPT-2 checkpoint: its config has model_type 'bert'"):
         ddl_hf.convert_gpt2(
             BertModel(
                 BertConfig(
@@ -179,6 +179,8 @@ def test_bad_sources_and_overrides_raise_clear_errors():
             )
         )
     source = trained_gpt2()
+    with pytest.raises(ConversionError, match=r"not a GPT2Model.*GPT2LMHeadModel\.from_pretrained"):
+        ddl_hf.convert_gpt2(source.transformer)
     with pytest.raises(ConversionError, match="delta_modes"):
         ddl_hf.convert_gpt2(source, delta_modes="paper")
     with pytest.raises(ConversionError, match="delta_value_channels=0"):

@@ -372,6 +372,17 @@ def test_missing_and_unexpected_weights_are_listed(source_dir, tmp_path, capsys)
     )
 
 
+def test_wrongly_shaped_weights_are_listed(tmp_path, capsys):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_config()).save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["n_inner"] = 64  # the weights were saved with the default 4 * 32 = 128
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    code = run_convert("--source", str(tmp_path / "src"), "--output", str(out))
+    assert_refused(capsys, code, out, "transformer.h.1.mlp.c_fc.weight [32, 128] in the checkpoint, [32, 64]")
+
+
 def test_unsupported_gpt2_flag_is_refused(tmp_path, capsys):
     torch.manual_seed(0)
     GPT2LMHeadModel(tiny_config(add_cross_attention=True)).save_pretrained(tmp_path / "xattn")
