@@ -484,8 +484,12 @@ def model_card(
     report: EquivalenceReport | None,
     config: DeltaGPTConfig,
     command: str | None = None,
+    load_id: str = "THIS_REPO",
 ) -> ModelCard:
-    """A model card (README.md) saying what the model is, how it was made, how it checks out, and how to load it."""
+    """A model card (README.md) saying what the model is, how it was made, how it checks out, and how to load it.
+
+    `load_id` is the Hub id (or path) shown in the loading examples.
+    """
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model,
@@ -541,14 +545,14 @@ With `ddl_hf` installed (`pip install ddl-hf`), no remote code is needed:
 import ddl_hf  # registers DeltaGPT with the Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("THIS_REPO")
-tokenizer = AutoTokenizer.from_pretrained("THIS_REPO")
+model = AutoModelForCausalLM.from_pretrained("{load_id}")
+tokenizer = AutoTokenizer.from_pretrained("{load_id}")
 ```
 
 With only `torch` and `transformers`, the two custom-code files in this repository are used:
 
 ```python
-model = AutoModelForCausalLM.from_pretrained("THIS_REPO", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{load_id}", trust_remote_code=True)
 ```
 
 `model(..., output_betas=True).betas` returns the gate of every Delta block. While every gate is closed,
@@ -620,6 +624,7 @@ def convert_checkpoint(
     tokenizer=None,
     progress: bool = True,
     command: str | None = None,
+    hub_repo_id: str | None = None,
     **config_overrides,
 ) -> EquivalenceReport:
     """Convert `source` and write a complete, verified Hub repository to `output`; return the verification report.
@@ -628,6 +633,7 @@ def convert_checkpoint(
     atomic), reloaded from there and compared with the source; only then is it renamed to `output`. On any error,
     including KeyboardInterrupt or a full disk, the temporary directory is removed and `output` is left as it was.
     Raises ConversionError when the additive beta = 0 conversion is not equivalent (a bug: nothing is written).
+    `hub_repo_id` (where the output will be pushed, if known) is used in the model card's loading examples.
     """
     output = Path(output).absolute()
     _check_output(output, force)
@@ -655,6 +661,7 @@ def convert_checkpoint(
             tokenizer,
             progress,
             command,
+            hub_repo_id or os.fspath(output),
         )
 
 
@@ -669,6 +676,7 @@ def _convert_checkpoint(
     tokenizer,
     progress: bool,
     command: str | None,
+    load_id: str,
 ) -> EquivalenceReport:
     stages = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
     created_parents = [p for p in reversed(output.parents) if not p.exists()]
@@ -716,7 +724,7 @@ def _convert_checkpoint(
         stages.update()
 
         stages.set_postfix_str("model card")
-        model_card(base_model, report, reloaded.config, command).save(tmp / "README.md")
+        model_card(base_model, report, reloaded.config, command, load_id).save(tmp / "README.md")
         _commit_directory(tmp, output)
         tmp = None
         stages.update()
@@ -815,6 +823,7 @@ def run_cli(args: argparse.Namespace) -> int:
             base_model=args.base_model,
             progress=not args.quiet,
             command=command,
+            hub_repo_id=args.push_to_hub,
         )
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
