@@ -21,6 +21,7 @@ import errno
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -796,6 +797,25 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """`kill PID` cleans up like Ctrl-C (the temporary directory is removed); only SIGKILL can leave one behind,
+    hidden as `.OUT.tmp-*` beside OUT, never a partial OUT."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run `convert` from parsed arguments; print the report, or one clear error line. Returns the exit code."""
     command = (
@@ -810,21 +830,22 @@ def run_cli(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        report = convert_checkpoint(
-            args.source,
-            args.output,
-            delta_mode=args.delta_mode,
-            value_channels=args.value_channels,
-            beta_init=args.beta_init,
-            delta_gate=args.gate,
-            dtype=args.dtype,
-            force=args.force,
-            max_shard_size=args.max_shard_size,
-            base_model=args.base_model,
-            progress=not args.quiet,
-            command=command,
-            hub_repo_id=args.push_to_hub,
-        )
+        with _sigterm_as_interrupt():
+            report = convert_checkpoint(
+                args.source,
+                args.output,
+                delta_mode=args.delta_mode,
+                value_channels=args.value_channels,
+                beta_init=args.beta_init,
+                delta_gate=args.gate,
+                dtype=args.dtype,
+                force=args.force,
+                max_shard_size=args.max_shard_size,
+                base_model=args.base_model,
+                progress=not args.quiet,
+                command=command,
+                hub_repo_id=args.push_to_hub,
+            )
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

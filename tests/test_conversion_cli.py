@@ -458,6 +458,23 @@ def test_interruption_leaves_nothing(source_dir, tmp_path, capsys, monkeypatch):
     assert listing(tmp_path) == set()
 
 
+def test_sigterm_mid_write_leaves_nothing(source_dir, tmp_path, capsys, monkeypatch):
+    """`kill PID` while the weights are being written: cleaned up like Ctrl-C."""
+    import signal
+
+    def killed(self, directory, **kwargs):
+        Path(directory, "model.safetensors").write_bytes(b"\0" * 100)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(ddl_hf.DeltaGPTForCausalLM, "save_pretrained", killed)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    code = run_convert("--source", str(source_dir), "--output", str(out))
+    assert_refused(capsys, code, out, "interrupted", expected_code=130)
+    assert listing(tmp_path) == set()
+    assert signal.getsignal(signal.SIGTERM) == handler  # restored
+
+
 def test_failed_verification_writes_nothing(source_dir, tmp_path, capsys, monkeypatch):
     """Should a conversion ever not reproduce the source, the output is not written."""
     import ddl_hf.conversion as conversion
