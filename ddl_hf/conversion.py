@@ -390,7 +390,8 @@ def _delta_blocks(model) -> Iterator[tuple[str, torch.nn.Module, torch.nn.LayerN
 
 @torch.no_grad()
 def beta_upper_bounds(model: DeltaGPTForCausalLM) -> dict[str, float]:
-    """The largest beta each Delta block can produce, over every possible input. 0.0 means beta is exactly 0.
+    """The largest beta each Delta block can produce, over every possible input. 0.0 means beta is exactly 0
+    for every input (rho == 0, or a gate so negative that even float64 sigmoid underflows).
 
     beta = 2 sigmoid(g(c)) rho with rho = clamp(beta_open, 0, 1) and c = LayerNorm(x) = gamma * n + b_ln, where n is
     zero-mean with |n| < sqrt(D). Since sigmoid > 0, beta is identically 0 exactly when rho == 0.
@@ -413,7 +414,9 @@ def beta_upper_bounds(model: DeltaGPTForCausalLM) -> dict[str, float]:
         else:
             out = gate[-1]
             g_max = float(out.weight.float().abs().sum()) + float(out.bias.float()[0])
-        bounds[name] = 2.0 * rho / (1.0 + math.exp(-g_max)) if g_max > -700 else 0.0
+        # Stable sigmoid in float64; it reaches 0.0 only below g = -745, where the model's float32 beta is 0 too.
+        sigmoid = 1.0 / (1.0 + math.exp(-g_max)) if g_max >= 0 else math.exp(g_max) / (1.0 + math.exp(g_max))
+        bounds[name] = 2.0 * rho * sigmoid
     return bounds
 
 
