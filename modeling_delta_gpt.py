@@ -90,7 +90,7 @@ def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Te
     The gate opening `rho` uses it so that beta can be *exactly* 0 at initialisation (rho = 0) and still receive a
     gradient there, and so that a gate pushed below 0 can come back when training wants it.
     """
-    return x + (x.clamp(low, high) - x).detach()
+    return x.clamp(low, high) + (x - x.detach())  # the forward value is exactly clamp(x): x - x == 0
 
 
 # The fused Delta update: the same math as `delta_update(state, unit_direction(h), ...)` in fewer passes over memory.
@@ -132,12 +132,12 @@ def _fused_delta_forward(
     hf = _at_least_float32(h)
     r = torch.rsqrt(torch.linalg.vecdot(hf, hf).unsqueeze(-1) + eps * eps)
     hx = _dot(hf, _at_least_float32(state))
-    scale = r * (beta.unsqueeze(-1) * (value - r * hx))
+    scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
     if additive:
         scale = scale + 1.0  # exactly 1 when beta == 0, so X' == X + h bit for bit
     out = torch.addcmul(state, *_outer(h, scale, state))
     out_dtype = torch.promote_types(state.dtype, h.dtype) if additive else state.dtype
-    return out.to(out_dtype), r, hx
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
 
 
 class _FusedDeltaUpdate(torch.autograd.Function):
@@ -231,8 +231,15 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the new state and beta `[batch, seq_len]`."""
         with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
-            c = normed_input.to(self.v_proj.weight.dtype)
-            rho = straight_through_clamp(_at_least_float32(self.beta_open), 0.0, 1.0)
+            dtype = self.v_proj.weight.dtype
+            c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
+            opening = _at_least_float32(self.beta_open)
+            # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
+            rho = (
+                straight_through_clamp(opening, 0.0, 1.0)
+                if torch.is_grad_enabled() and opening.requires_grad
+                else opening.clamp(0.0, 1.0)
+            )
             beta = 2.0 * torch.sigmoid(_at_least_float32(self.beta_proj(c)).squeeze(-1)) * rho
             value = _at_least_float32(self.v_proj(c))
             if self.fused:
