@@ -4,6 +4,10 @@ Both models live in ONE process. Every timed metric runs A/B pairs after a warm-
 each pair (ABBA...) so slow drift of a noisy machine cancels; we report the median time of each model and the
 median of the per-pair ratios DeltaGPT / GPT-2 (absolute times are not comparable between runs).
 
+Time is the process CPU time with one torch thread by default (`--threads`): on a shared machine it does not count
+the time other tenants hold the cores, which is what makes wall-clock ratios swing there. Wall-clock medians and
+ratios are recorded next to it in the JSON.
+
 Peak training memory is measured exactly at the tensor-allocator level: bytes held by parameters and AdamW state
 before a step, plus the maximum of the running sum of every allocation and free recorded by
 `torch.profiler(profile_memory=True)` during one full training step (forward, backward, AdamW). It counts tensor
@@ -34,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 
 SHAPES = {
-    "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64),
-    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=2, seq=256),
+    "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
+    # Training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
+    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
 }
 DELTA_VARIANTS = [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
 
@@ -68,10 +73,11 @@ def build_pair(shape: dict, value_channels: int, mode: str) -> tuple[GPT2LMHeadM
     return gpt2, delta
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(process CPU seconds, wall seconds) of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return time.process_time() - cpu, time.perf_counter() - wall
 
 
 def interleaved(fn_a: Callable[[], object], fn_b: Callable[[], object], pairs: int, warmup: int = 1) -> dict:
@@ -79,28 +85,33 @@ def interleaved(fn_a: Callable[[], object], fn_b: Callable[[], object], pairs: i
     for _ in range(warmup):
         fn_a()
         fn_b()
-    times_a, times_b, ratios = [], [], []
+    a, b = [], []
     for i in range(pairs):
         if i % 2 == 0:
-            ta, tb = timed(fn_a), timed(fn_b)
+            a.append(timed(fn_a))
+            b.append(timed(fn_b))
         else:
-            tb, ta = timed(fn_b), timed(fn_a)
-        times_a.append(ta)
-        times_b.append(tb)
-        ratios.append(tb / ta)
+            b.append(timed(fn_b))
+            a.append(timed(fn_a))
+    ratios = [tb[0] / ta[0] for ta, tb in zip(a, b)]
     return {
-        "gpt2_s": statistics.median(times_a),
-        "delta_s": statistics.median(times_b),
+        "gpt2_s": statistics.median(t[0] for t in a),
+        "delta_s": statistics.median(t[0] for t in b),
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "gpt2_wall_s": statistics.median(t[1] for t in a),
+        "delta_wall_s": statistics.median(t[1] for t in b),
+        "wall_ratio": statistics.median(tb[1] / ta[1] for ta, tb in zip(a, b)),
         "pairs": pairs,
     }
 
 
-def train_step_fn(model: torch.nn.Module, ids: torch.Tensor) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+def train_step_fn(
+    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[Callable[[], None], torch.optim.Optimizer]:
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
         loss = model(input_ids=ids, labels=ids).loss
@@ -181,7 +192,7 @@ def forward_fn(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, gen_tokens: int) -> dict:
+def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, gen_pairs: int, gen_tokens: int) -> dict:
     shape = SHAPES[shape_name]
     gpt2, delta = build_pair(shape, value_channels, mode)
     g = torch.Generator().manual_seed(1)
@@ -192,9 +203,13 @@ def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, g
     step_a, opt_a = train_step_fn(gpt2, ids)
     step_b, opt_b = train_step_fn(delta, ids)
     row["train_step"] = interleaved(step_a, step_b, pairs)
+    del step_a, step_b
+    mem_ids = torch.randint(0, shape["vocab_size"], (shape["memory_batch"], shape["seq"]), generator=g)
+    step_a, _ = train_step_fn(gpt2, mem_ids, opt_a)
+    step_b, _ = train_step_fn(delta, mem_ids, opt_b)
     mem_a, mem_b = peak_train_bytes(step_a, gpt2, opt_a), peak_train_bytes(step_b, delta, opt_b)
     row["peak_train_memory"] = {"gpt2_bytes": mem_a, "delta_bytes": mem_b, "ratio": mem_b / mem_a}
-    saved_a, saved_b = saved_activation_bytes(gpt2, ids), saved_activation_bytes(delta, ids)
+    saved_a, saved_b = saved_activation_bytes(gpt2, mem_ids), saved_activation_bytes(delta, mem_ids)
     row["saved_activations"] = {"gpt2_bytes": saved_a, "delta_bytes": saved_b, "ratio": saved_b / saved_a}
     del opt_a, opt_b, step_a, step_b
     for model in (gpt2, delta):
@@ -205,9 +220,7 @@ def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, g
     row["inference_forward"] = interleaved(forward_fn(gpt2, ids), forward_fn(delta, ids), pairs)
     for batch in (1, 8):
         prompt = torch.randint(0, shape["vocab_size"], (batch, 16), generator=g)
-        result = interleaved(
-            generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), max(3, pairs)
-        )
+        result = interleaved(generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs)
         result["new_tokens"] = gen_tokens
         result["gpt2_tokens_per_s"] = batch * gen_tokens / result["gpt2_s"]
         result["delta_tokens_per_s"] = batch * gen_tokens / result["delta_s"]
@@ -238,8 +251,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"Machine: {results['machine']['cpu']}, {results['machine']['logical_cpus']} logical CPUs, "
         f"torch {results['machine']['torch']} ({results['machine']['torch_threads']} threads), "
-        f"transformers {results['machine']['transformers']}. Ratios are DeltaGPT / GPT-2 (lower is better; "
-        "generation: time per token). Median of interleaved pairs.",
+        f"transformers {results['machine']['transformers']}. Ratios are DeltaGPT / GPT-2 of process CPU time "
+        "(lower is better; generation: time per token), median of interleaved pairs; peak memory and saved "
+        "activations at the memory batch.",
         "",
         "| shape | d_v | mode | train step | inference fwd | gen/token b=1 | gen/token b=8 | peak train mem "
         "| saved activations | params |",
@@ -247,7 +261,8 @@ def markdown(results: dict) -> str:
     ]
     for r in results["rows"]:
         lines.append(
-            f"| {r['shape']} (L{r['n_layer']} D{r['n_embd']} B{r['batch']} T{r['seq']}) | {r['d_v']} | {r['mode']} "
+            f"| {r['shape']} (L{r['n_layer']} D{r['n_embd']} T{r['seq']} B{r['batch']}, memory B{r['memory_batch']}) "
+            f"| {r['d_v']} | {r['mode']} "
             f"| {r['train_step']['ratio']:.3f} | {r['inference_forward']['ratio']:.3f} "
             f"| {r['generation_b1']['ratio']:.3f} | {r['generation_b8']['ratio']:.3f} "
             f"| {r['peak_train_memory']['ratio']:.3f} | {r['saved_activations']['ratio']:.3f} "
@@ -279,20 +294,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shape only, few pairs (~1 minute)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="override the shapes to run")
     parser.add_argument("--pairs", type=int, help="timed A/B pairs per metric")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is per process)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", default=None, help="basename of the result files")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
 
     shapes = args.shapes or (["tiny"] if args.quick else ["tiny", "gpt2-small"])
     results = {"machine": machine(), "quick": args.quick, "rows": []}
     for shape_name in shapes:
         small = shape_name == "tiny"
-        pairs = args.pairs or (5 if args.quick else (9 if small else 5))
+        pairs = args.pairs or (5 if args.quick else (9 if small else 4))
+        gen_pairs = args.pairs or (3 if args.quick else (6 if small else 4))
         gen_tokens = 16 if args.quick else 32
         for value_channels, mode in DELTA_VARIANTS:
             start = time.perf_counter()
-            row = bench_variant(shape_name, value_channels, mode, pairs, gen_tokens)
+            row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens)
             results["rows"].append(row)
             print(
                 f"{shape_name:10s} d_v={value_channels} {mode:8s} train {row['train_step']['ratio']:.3f} "
