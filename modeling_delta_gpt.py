@@ -107,7 +107,7 @@ def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Te
 def _dot(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """h^T x over the hidden dim: `[..., 1]` for a vector x `[..., D]`, `[..., d_v]` for an expanded `[..., D, d_v]`."""
     if x.dim() == h.dim():
-        return torch.linalg.vecdot(h, x).unsqueeze(-1)
+        return (h * x).sum(-1, keepdim=True)  # what vecdot does on CPU, in fewer dispatches
     return (h.unsqueeze(-2) @ x).squeeze(-2)  # a batched matvec; cheaper than einsum's set-up when decoding
 
 
@@ -130,13 +130,13 @@ def _fused_delta_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The new state, r `[..., 1]` and h^T X `[..., d_v]` (the last two are saved for the backward)."""
     hf = _at_least_float32(h)
-    r = torch.rsqrt(torch.linalg.vecdot(hf, hf).unsqueeze(-1) + eps * eps)
+    r = torch.rsqrt((hf * hf).sum(-1, keepdim=True) + eps * eps)
     hx = _dot(hf, _at_least_float32(state))
     scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
     if additive:
         scale = scale + 1.0  # exactly 1 when beta == 0, so X' == X + h bit for bit
     out = torch.addcmul(state, *_outer(h, scale, state))
-    out_dtype = torch.promote_types(state.dtype, h.dtype) if additive else state.dtype
+    out_dtype = torch.promote_types(state.dtype, h.dtype) if additive and h.dtype != state.dtype else state.dtype
     return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
 
 

@@ -305,9 +305,9 @@ def main() -> None:
     results = {"machine": machine(), "quick": args.quick, "rows": []}
     for shape_name in shapes:
         small = shape_name == "tiny"
-        pairs = args.pairs or (5 if args.quick else (9 if small else 4))
-        gen_pairs = args.pairs or (3 if args.quick else (6 if small else 4))
-        gen_tokens = 16 if args.quick else 32
+        pairs = args.pairs or (11 if args.quick else (9 if small else 5))
+        gen_pairs = args.pairs or (7 if args.quick else (6 if small else 3))
+        gen_tokens = 16 if args.quick else (32 if small else 24)
         for value_channels, mode in DELTA_VARIANTS:
             start = time.perf_counter()
             row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens)
