@@ -90,7 +90,7 @@ def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Te
     The gate opening `rho` uses it so that beta can be *exactly* 0 at initialisation (rho = 0) and still receive a
     gradient there, and so that a gate pushed below 0 can come back when training wants it.
     """
-    return x.clamp(low, high) + (x - x.detach())  # the forward value is exactly clamp(x): x - x == 0
+    return x.clamp(low, high).detach() + (x - x.detach())  # value exactly clamp(x) (x - x == 0), gradient 1
 
 
 # The fused Delta update: the same math as `delta_update(state, unit_direction(h), ...)` in fewer passes over memory.

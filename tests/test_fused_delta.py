@@ -7,7 +7,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
-from ddl_hf.modeling_delta_gpt import DeltaResidual, delta_update, fused_delta_update, unit_direction
+from ddl_hf.modeling_delta_gpt import (
+    DeltaResidual,
+    delta_update,
+    fused_delta_update,
+    straight_through_clamp,
+    unit_direction,
+)
 
 EPS = 1e-6
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
@@ -73,6 +79,15 @@ def test_beta_zero_is_exactly_x_plus_h(d_v):
     grad_state, grad_h = torch.autograd.grad(out, (state, h), grad_out)
     assert torch.equal(grad_state, grad_out)
     assert torch.equal(grad_h, grad_out.sum(-1) if d_v > 1 else grad_out)
+
+
+def test_straight_through_clamp_value_and_gradient():
+    """The opening: exactly clamp(x) in the forward (so the no-grad path may use a plain clamp), gradient 1."""
+    x = torch.tensor([-0.7, 0.0, 0.3, 1.0, 1.3], requires_grad=True)
+    y = straight_through_clamp(x, 0.0, 1.0)
+    assert torch.equal(y, x.detach().clamp(0.0, 1.0))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(grad, torch.ones_like(x))
 
 
 def tiny_config(**kwargs) -> DeltaGPTConfig:
