@@ -14,7 +14,7 @@ before a step, plus the maximum of the running sum of every allocation and free 
 memory only (no Python heap, no malloc fragmentation), which is what the Delta blocks can change.
 
     python benchmarks/bench_overhead.py            # full run (GPT-2-small shape; ~10-15 min on 2 CPU cores)
-    python benchmarks/bench_overhead.py --quick    # tiny shape only, ~1 minute
+    python benchmarks/bench_overhead.py --quick    # tiny shape only, under a minute
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shape only, few pairs (~1 minute)")
+    parser.add_argument("--quick", action="store_true", help="tiny shape only (under a minute)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="override the shapes to run")
     parser.add_argument("--pairs", type=int, help="timed A/B pairs per metric")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is per process)")
@@ -305,8 +305,8 @@ def main() -> None:
     results = {"machine": machine(), "quick": args.quick, "rows": []}
     for shape_name in shapes:
         small = shape_name == "tiny"
-        pairs = args.pairs or (11 if args.quick else (9 if small else 5))
-        gen_pairs = args.pairs or (7 if args.quick else (6 if small else 3))
+        pairs = args.pairs or (25 if args.quick else (9 if small else 5))
+        gen_pairs = args.pairs or (15 if args.quick else (6 if small else 3))
         gen_tokens = 16 if args.quick else (32 if small else 24)
         for value_channels, mode in DELTA_VARIANTS:
             start = time.perf_counter()
