@@ -65,7 +65,7 @@ def delta_update(
     """
     expanded = state.dim() == k.dim() + 1
     x = state if expanded else state.unsqueeze(-1)  # [..., D, d_v]
-    k_dot_x = torch.einsum("...d,...dv->...v", k, x.to(k.dtype))  # erase: the state's coordinate along k
+    k_dot_x = torch.einsum("...d,...dv->...v", k, _at_least_float32(x))  # erase: the state's coordinate along k
     coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
     delta = (k.unsqueeze(-1) * coefficient.unsqueeze(-2)).to(state.dtype)  # rank-1: k (beta (v - k^T X))^T
     new_state = x if branch_output is None else x + branch_output.unsqueeze(-1)
@@ -73,14 +73,14 @@ def delta_update(
     return new_state if expanded else new_state.squeeze(-1)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the Delta math: float32 for half-precision tensors, the tensor's own dtype otherwise."""
-    return torch.promote_types(dtype, torch.float32)
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast half precision to float32; float32 and float64 pass unchanged (float64 for gradcheck)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """k = h / sqrt(|h|^2 + eps^2), at least float32: unit norm for any non-negligible h, 0 (a no-op) for h = 0."""
-    h = h.to(compute_dtype(h.dtype))
+    """k = h / sqrt(|h|^2 + eps^2) in float32: unit norm for any non-negligible h, and 0 (no-op) for h = 0."""
+    h = _at_least_float32(h)
     return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
 
 
@@ -90,14 +90,116 @@ def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Te
     The gate opening `rho` uses it so that beta can be *exactly* 0 at initialisation (rho = 0) and still receive a
     gradient there, and so that a gate pushed below 0 can come back when training wants it.
     """
-    return x + (x.clamp(low, high) - x).detach()
+    return x.clamp(low, high).detach() + (x - x.detach())  # value exactly clamp(x) (x - x == 0), gradient 1
+
+
+# The fused Delta update: the same math as `delta_update(state, unit_direction(h), ...)` in fewer passes over memory.
+# With k = r h and r = 1 / sqrt(|h|^2 + eps^2), the whole write is one broadcast multiply-add of h:
+#     X' = X + h s^T,   s = r beta (v - r h^T X)  (+ 1 in additive mode),   s in R^{d_v} per token,
+# so k is never materialised. The backward keeps only X and h (X is saved by the next LayerNorm or read anyway)
+# plus per-token scalars, and recomputes the rest:
+#     dX = g - h (r^2 beta h^T g)^T                       (= A^T g, A symmetric)
+#     dk = g c - X (beta k^T g),  c = beta (v - k^T X)
+#     dh = g s + X (-r beta k^T g) - h r^3 (h^T dk)         (chain rule through k = r h; g 1 is in g s)
+#     dbeta = (k^T g) . (v - k^T X),   dv = beta k^T g
+
+
+def _dot(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h^T x over the hidden dim: `[..., 1]` for a vector x `[..., D]`, `[..., d_v]` for an expanded `[..., D, d_v]`."""
+    if x.dim() == h.dim():
+        return (h * x).sum(-1, keepdim=True)  # what vecdot does on CPU, in fewer dispatches
+    return (h.unsqueeze(-2) @ x).squeeze(-2)  # a batched matvec; cheaper than einsum's set-up when decoding
+
+
+def _outer(h: torch.Tensor, s: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h and s shaped so that `h * s` broadcasts to the rank-1 `h s^T` in the layout of `like`."""
+    if like.dim() == h.dim():
+        return h, s
+    return h.unsqueeze(-1), s.unsqueeze(-2)
+
+
+def _mix(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x s over the value channels: `[..., D]` (x * s for a vector state)."""
+    if x.dim() == s.dim():
+        return x * s
+    return torch.einsum("...dv,...v->...d", x, s)
+
+
+def _fused_delta_forward(
+    state: torch.Tensor, h: torch.Tensor, beta: torch.Tensor, value: torch.Tensor, eps: float, additive: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new state, r `[..., 1]` and h^T X `[..., d_v]` (the last two are saved for the backward)."""
+    hf = _at_least_float32(h)
+    r = torch.rsqrt((hf * hf).sum(-1, keepdim=True) + eps * eps)
+    hx = _dot(hf, _at_least_float32(state))
+    scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
+    if additive:
+        scale = scale + 1.0  # exactly 1 when beta == 0, so X' == X + h bit for bit
+    out = torch.addcmul(state, *_outer(h, scale, state))
+    out_dtype = torch.promote_types(state.dtype, h.dtype) if additive and h.dtype != state.dtype else state.dtype
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
+
+
+class _FusedDeltaUpdate(torch.autograd.Function):
+    """One autograd node per Delta block with a hand-derived backward (see the formulas above)."""
+
+    @staticmethod
+    def forward(ctx, state, h, beta, value, eps, additive):
+        out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive)
+        ctx.save_for_backward(state, h, beta, value, r, hx)
+        ctx.additive = additive
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        state, h, beta, value, r, hx = ctx.saved_tensors
+        g, hf = _at_least_float32(grad_out), _at_least_float32(h)
+        b = beta.unsqueeze(-1)
+        hg = _dot(hf, g)  # h^T g, so k^T g = r hg
+        residual = value - r * hx  # v - k^T X
+        b_kg = b * r * hg  # beta k^T g = dL/dv
+        grad_state = grad_h = None
+        if ctx.needs_input_grad[0]:
+            grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)).to(state.dtype)
+        if ctx.needs_input_grad[1]:
+            coef = b * residual
+            scale = r * coef + 1.0 if ctx.additive else r * coef
+            h_dot_dk = (hg * coef - hx * b_kg).sum(-1, keepdim=True)
+            x = _at_least_float32(state)
+            grad_h = _mix(g, scale) + _mix(x, -r * b_kg) - hf * (r * r * r * h_dot_dk)
+            grad_h = grad_h.to(h.dtype)
+        grad_beta = (r * hg * residual).sum(-1) if ctx.needs_input_grad[2] else None
+        grad_value = b_kg if ctx.needs_input_grad[3] else None
+        return grad_state, grad_h, grad_beta, grad_value, None, None
+
+
+def fused_delta_update(
+    state: torch.Tensor,
+    branch_output: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    eps: float,
+    additive: bool,
+) -> torch.Tensor:
+    """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None)`, fused.
+
+    Under autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain
+    function (no node, fewest ops: what generation runs).
+    """
+    tensors = (state, branch_output, beta, value)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _FusedDeltaUpdate.apply(*tensors, eps, additive)
+    return _fused_delta_forward(*tensors, eps, additive)[0]
 
 
 class DeltaResidual(nn.Module):
     """The Delta residual around one sublayer; shared by both modes and every number of value channels.
 
     `read` gives the sublayer its input from the state; `forward` writes the sublayer output back.
+    `fused = False` switches to the plain autograd path (`delta_update`), the readable reference.
     """
+
+    fused: bool = True
 
     def __init__(self, config: DeltaGPTConfig):
         super().__init__()
@@ -129,13 +231,23 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the new state and beta `[batch, seq_len]`."""
         with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
-            dtype = compute_dtype(state.dtype)
-            c = normed_input.to(self.v_proj.weight.dtype)
-            rho = straight_through_clamp(self.beta_open.to(dtype), 0.0, 1.0)
-            beta = 2.0 * torch.sigmoid(self.beta_proj(c).to(dtype).squeeze(-1)) * rho
-            value = self.v_proj(c).to(dtype)
-            k = unit_direction(branch_output, self.eps)
-            new_state = delta_update(state, k, beta, value, branch_output if self.additive else None)
+            dtype = self.v_proj.weight.dtype
+            c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
+            opening = _at_least_float32(self.beta_open)
+            # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
+            rho = (
+                straight_through_clamp(opening, 0.0, 1.0)
+                if torch.is_grad_enabled() and opening.requires_grad
+                else opening.clamp(0.0, 1.0)
+            )
+            # 2 rho as rho + rho: same bits as 2.0 * rho without wrapping a Python scalar (a dispatch per block).
+            beta = torch.sigmoid(_at_least_float32(self.beta_proj(c)).squeeze(-1)) * (rho + rho)
+            value = _at_least_float32(self.v_proj(c))
+            if self.fused:
+                new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive)
+            else:
+                k = unit_direction(branch_output, self.eps)
+                new_state = delta_update(state, k, beta, value, branch_output if self.additive else None)
         return new_state, beta
 
 

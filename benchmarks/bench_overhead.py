@@ -1,0 +1,331 @@
+"""Overhead of DeltaGPT over transformers' GPT2LMHeadModel of the same shape, measured side by side.
+
+Both models live in ONE process. Every timed metric runs A/B pairs after a warm-up, alternating the order inside
+each pair (ABBA...) so slow drift of a noisy machine cancels; we report the median time of each model and the
+median of the per-pair ratios DeltaGPT / GPT-2 (absolute times are not comparable between runs).
+
+Time is the process CPU time with one torch thread by default (`--threads`): on a shared machine it does not count
+the time other tenants hold the cores, which is what makes wall-clock ratios swing there. Wall-clock medians and
+ratios are recorded next to it in the JSON.
+
+Peak training memory is measured exactly at the tensor-allocator level: bytes held by parameters and AdamW state
+before a step, plus the maximum of the running sum of every allocation and free recorded by
+`torch.profiler(profile_memory=True)` during one full training step (forward, backward, AdamW). It counts tensor
+memory only (no Python heap, no malloc fragmentation), which is what the Delta blocks can change.
+
+    python benchmarks/bench_overhead.py            # full run (GPT-2-small shape; ~10-15 min on 2 CPU cores)
+    python benchmarks/bench_overhead.py --quick    # tiny shape only, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+
+SHAPES = {
+    "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
+    # Training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
+    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
+}
+DELTA_VARIANTS = [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
+
+
+def gpt2_config(shape: dict) -> GPT2Config:
+    return GPT2Config(
+        n_layer=shape["n_layer"],
+        n_embd=shape["n_embd"],
+        n_head=shape["n_head"],
+        vocab_size=shape["vocab_size"],
+        n_positions=1024,
+    )
+
+
+def build_pair(shape: dict, value_channels: int, mode: str) -> tuple[GPT2LMHeadModel, DeltaGPTForCausalLM]:
+    """GPT-2 and a DeltaGPT sharing every GPT-2 weight (the Delta parameters are extra)."""
+    torch.manual_seed(0)
+    base_config = gpt2_config(shape)
+    base_config._attn_implementation = "sdpa"
+    gpt2 = GPT2LMHeadModel(base_config)
+    config = DeltaGPTConfig(
+        **{k: v for k, v in base_config.to_dict().items() if k in GPT2Config().to_dict() and k != "model_type"},
+        delta_mode=mode,
+        delta_value_channels=value_channels,
+        delta_beta_init=0.5,  # no shortcut for beta == 0 exists, but use a generic gate anyway
+    )
+    config._attn_implementation = "sdpa"
+    delta = DeltaGPTForCausalLM(config)
+    delta.load_state_dict(gpt2.state_dict(), strict=False)
+    return gpt2, delta
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(process CPU seconds, wall seconds) of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def interleaved(fn_a: Callable[[], object], fn_b: Callable[[], object], pairs: int, warmup: int = 1) -> dict:
+    """Median times of A and B and the median of the per-pair ratios B / A, order alternating per pair."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    a, b = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a.append(timed(fn_a))
+            b.append(timed(fn_b))
+        else:
+            b.append(timed(fn_b))
+            a.append(timed(fn_a))
+    ratios = [tb[0] / ta[0] for ta, tb in zip(a, b)]
+    return {
+        "gpt2_s": statistics.median(t[0] for t in a),
+        "delta_s": statistics.median(t[0] for t in b),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "gpt2_wall_s": statistics.median(t[1] for t in a),
+        "delta_wall_s": statistics.median(t[1] for t in b),
+        "wall_ratio": statistics.median(tb[1] / ta[1] for ta, tb in zip(a, b)),
+        "pairs": pairs,
+    }
+
+
+def train_step_fn(
+    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+    model.train()
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, optimizer
+
+
+def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of parameters, buffers and optimizer state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if torch.is_tensor(t)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def peak_train_bytes(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Peak tensor bytes of one training step (run after a warm-up step, so AdamW state already exists)."""
+    before = live_bytes(model, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return before + peak
+
+
+def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves for the backward of one forward."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    del loss
+    return sum(saved.values())
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def generate_fn(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+    mask = torch.ones_like(prompt)
+
+    def run() -> None:
+        with torch.inference_mode():
+            out = model.generate(
+                prompt,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == prompt.shape[1] + new_tokens
+
+    return run
+
+
+def forward_fn(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        with torch.inference_mode():
+            model(input_ids=ids)
+
+    return run
+
+
+def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, gen_pairs: int, gen_tokens: int) -> dict:
+    shape = SHAPES[shape_name]
+    gpt2, delta = build_pair(shape, value_channels, mode)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+    row = {"shape": shape_name, **shape, "d_v": value_channels, "mode": mode, "torch_threads": torch.get_num_threads()}
+    row["params"] = {"gpt2": n_params(gpt2), "delta": n_params(delta), "ratio": n_params(delta) / n_params(gpt2)}
+
+    step_a, opt_a = train_step_fn(gpt2, ids)
+    step_b, opt_b = train_step_fn(delta, ids)
+    row["train_step"] = interleaved(step_a, step_b, pairs)
+    del step_a, step_b
+    mem_ids = torch.randint(0, shape["vocab_size"], (shape["memory_batch"], shape["seq"]), generator=g)
+    step_a, _ = train_step_fn(gpt2, mem_ids, opt_a)
+    step_b, _ = train_step_fn(delta, mem_ids, opt_b)
+    mem_a, mem_b = peak_train_bytes(step_a, gpt2, opt_a), peak_train_bytes(step_b, delta, opt_b)
+    row["peak_train_memory"] = {"gpt2_bytes": mem_a, "delta_bytes": mem_b, "ratio": mem_b / mem_a}
+    saved_a, saved_b = saved_activation_bytes(gpt2, mem_ids), saved_activation_bytes(delta, mem_ids)
+    row["saved_activations"] = {"gpt2_bytes": saved_a, "delta_bytes": saved_b, "ratio": saved_b / saved_a}
+    del opt_a, opt_b, step_a, step_b
+    for model in (gpt2, delta):
+        model.eval()
+        for p in model.parameters():
+            p.grad = None
+
+    row["inference_forward"] = interleaved(forward_fn(gpt2, ids), forward_fn(delta, ids), pairs)
+    for batch in (1, 8):
+        prompt = torch.randint(0, shape["vocab_size"], (batch, 16), generator=g)
+        result = interleaved(generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs)
+        result["new_tokens"] = gen_tokens
+        result["gpt2_tokens_per_s"] = batch * gen_tokens / result["gpt2_s"]
+        result["delta_tokens_per_s"] = batch * gen_tokens / result["delta_s"]
+        row[f"generation_b{batch}"] = result
+    return row
+
+
+def machine() -> dict:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
+    except OSError:
+        model = platform.processor() or "?"
+    import transformers
+
+    return {
+        "cpu": model,
+        "logical_cpus": torch.multiprocessing.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"Machine: {results['machine']['cpu']}, {results['machine']['logical_cpus']} logical CPUs, "
+        f"torch {results['machine']['torch']} ({results['machine']['torch_threads']} threads), "
+        f"transformers {results['machine']['transformers']}. Ratios are DeltaGPT / GPT-2 of process CPU time "
+        "(lower is better; generation: time per token), median of interleaved pairs; peak memory and saved "
+        "activations at the memory batch.",
+        "",
+        "| shape | d_v | mode | train step | inference fwd | gen/token b=1 | gen/token b=8 | peak train mem "
+        "| saved activations | params |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        lines.append(
+            f"| {r['shape']} (L{r['n_layer']} D{r['n_embd']} T{r['seq']} B{r['batch']}, memory B{r['memory_batch']}) "
+            f"| {r['d_v']} | {r['mode']} "
+            f"| {r['train_step']['ratio']:.3f} | {r['inference_forward']['ratio']:.3f} "
+            f"| {r['generation_b1']['ratio']:.3f} | {r['generation_b8']['ratio']:.3f} "
+            f"| {r['peak_train_memory']['ratio']:.3f} | {r['saved_activations']['ratio']:.3f} "
+            f"| {r['params']['ratio']:.5f} |"
+        )
+    lines += ["", "Absolute medians (GPT-2 → DeltaGPT):", ""]
+    lines += ["| shape | d_v | mode | train step s | inference fwd s | gen b=1 tok/s | gen b=8 tok/s | peak MB |"]
+    lines += ["|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        t, f, g1, g8, m = (
+            r["train_step"],
+            r["inference_forward"],
+            r["generation_b1"],
+            r["generation_b8"],
+            r["peak_train_memory"],
+        )
+        lines.append(
+            f"| {r['shape']} | {r['d_v']} | {r['mode']} | {t['gpt2_s']:.3f} → {t['delta_s']:.3f} "
+            f"| {f['gpt2_s']:.4f} → {f['delta_s']:.4f} "
+            f"| {g1['gpt2_tokens_per_s']:.1f} → {g1['delta_tokens_per_s']:.1f} "
+            f"| {g8['gpt2_tokens_per_s']:.1f} → {g8['delta_tokens_per_s']:.1f} "
+            f"| {m['gpt2_bytes'] / 2**20:.0f} → {m['delta_bytes'] / 2**20:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shape only (under a minute)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="override the shapes to run")
+    parser.add_argument("--pairs", type=int, help="timed A/B pairs per metric")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is per process)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
+    parser.add_argument("--name", default=None, help="basename of the result files")
+    args = parser.parse_args()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+
+    shapes = args.shapes or (["tiny"] if args.quick else ["tiny", "gpt2-small"])
+    results = {"machine": machine(), "quick": args.quick, "rows": []}
+    for shape_name in shapes:
+        small = shape_name == "tiny"
+        pairs = args.pairs or (25 if args.quick else (9 if small else 5))
+        gen_pairs = args.pairs or (15 if args.quick else (6 if small else 3))
+        gen_tokens = 16 if args.quick else (32 if small else 24)
+        for value_channels, mode in DELTA_VARIANTS:
+            start = time.perf_counter()
+            row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens)
+            results["rows"].append(row)
+            print(
+                f"{shape_name:10s} d_v={value_channels} {mode:8s} train {row['train_step']['ratio']:.3f} "
+                f"fwd {row['inference_forward']['ratio']:.3f} gen1 {row['generation_b1']['ratio']:.3f} "
+                f"gen8 {row['generation_b8']['ratio']:.3f} mem {row['peak_train_memory']['ratio']:.3f} "
+                f"params {row['params']['ratio']:.5f}  ({time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
+
+    name = args.name or ("overhead_quick" if args.quick else "overhead")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The fused Delta update against independent references: the plain autograd path and a dense A = I - beta k k^T."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf.modeling_delta_gpt import (
+    DeltaResidual,
+    delta_update,
+    fused_delta_update,
+    straight_through_clamp,
+    unit_direction,
+)
+
+EPS = 1e-6
+CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
+
+
+def make_inputs(d_v: int, dtype=torch.float64, shape=(2, 3), dim=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state_shape = (*shape, dim, d_v) if d_v > 1 else (*shape, dim)
+    state = torch.randn(state_shape, generator=g, dtype=dtype)
+    h = torch.randn(*shape, dim, generator=g, dtype=dtype)
+    beta = 2 * torch.rand(*shape, generator=g, dtype=dtype)
+    value = torch.randn(*shape, d_v, generator=g, dtype=dtype)
+    return [t.requires_grad_() for t in (state, h, beta, value)]
+
+
+def dense_reference(state, h, beta, value, additive):
+    """A X + beta k v^T (+ h 1^T) with the Delta Operator A = I - beta k k^T materialised."""
+    k = h / torch.sqrt(h.square().sum(-1, keepdim=True) + EPS**2)
+    x = state if state.dim() == h.dim() + 1 else state.unsqueeze(-1)
+    eye = torch.eye(h.shape[-1], dtype=h.dtype)
+    a = eye - beta[..., None, None] * k.unsqueeze(-1) * k.unsqueeze(-2)
+    out = a @ x + beta[..., None, None] * k.unsqueeze(-1) * value.unsqueeze(-2)
+    if additive:
+        out = out + h.unsqueeze(-1)
+    return out if state.dim() == h.dim() + 1 else out.squeeze(-1)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_gradcheck_fused_float64(d_v, mode):
+    additive = mode == "additive"
+    inputs = make_inputs(d_v)
+    assert torch.autograd.gradcheck(lambda *t: fused_delta_update(*t, EPS, additive), inputs)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_fused_matches_plain_and_dense(d_v, mode):
+    additive = mode == "additive"
+    inputs = make_inputs(d_v, seed=1)
+    state, h, beta, value = inputs
+    fused = fused_delta_update(state, h, beta, value, EPS, additive)
+    plain = delta_update(state, unit_direction(h, EPS), beta, value, h if additive else None)
+    dense = dense_reference(state, h, beta, value, additive)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fused, dense, rtol=0, atol=1e-12)
+
+    grad_out = torch.randn_like(fused)
+    for reference in (plain, dense):
+        expected = torch.autograd.grad(reference, inputs, grad_out, retain_graph=True)
+        actual = torch.autograd.grad(fused, inputs, grad_out, retain_graph=True)
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a, e, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("d_v", [1, 4])
+def test_beta_zero_is_exactly_x_plus_h(d_v):
+    """Additive mode at beta = 0: value and gradients are bit-exact GPT-2 (X + h, dX = dh = g)."""
+    state, h, beta, value = make_inputs(d_v, dtype=torch.float32, shape=(4, 5), dim=32)
+    beta = torch.zeros_like(beta).requires_grad_()
+    out = fused_delta_update(state, h, beta, value, EPS, True)
+    expected = state + (h.unsqueeze(-1) if d_v > 1 else h)
+    assert torch.equal(out, expected)
+    grad_out = torch.randn_like(out)
+    grad_state, grad_h = torch.autograd.grad(out, (state, h), grad_out)
+    assert torch.equal(grad_state, grad_out)
+    assert torch.equal(grad_h, grad_out.sum(-1) if d_v > 1 else grad_out)
+
+
+def test_straight_through_clamp_value_and_gradient():
+    """The opening: exactly clamp(x) in the forward (so the no-grad path may use a plain clamp), gradient 1."""
+    x = torch.tensor([-0.7, 0.0, 0.3, 1.0, 1.3], requires_grad=True)
+    y = straight_through_clamp(x, 0.0, 1.0)
+    assert torch.equal(y, x.detach().clamp(0.0, 1.0))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(grad, torch.ones_like(x))
+
+
+def tiny_config(**kwargs) -> DeltaGPTConfig:
+    return DeltaGPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64, **kwargs)
+
+
+def set_fused(model: torch.nn.Module, fused: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, DeltaResidual):
+            module.fused = fused
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_model_fused_equals_plain(d_v, mode):
+    """The whole model, logits and every parameter gradient, fused vs the plain reference path."""
+    torch.manual_seed(0)
+    config = tiny_config(delta_mode=mode, delta_value_channels=d_v, delta_beta_init=0.7, resid_pdrop=0.0)
+    config.embd_pdrop = config.attn_pdrop = 0.0
+    model = DeltaGPTForCausalLM(config).double()
+    with torch.no_grad():  # make the gates token-dependent, not just their initial constant
+        for module in model.modules():
+            if isinstance(module, DeltaResidual):
+                module.beta_proj.weight.normal_(0, 0.3)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    results = []
+    for fused in (True, False):
+        set_fused(model, fused)
+        model.zero_grad()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (logits_f, grads_f), (logits_p, grads_p) = results
+    torch.testing.assert_close(logits_f, logits_p, rtol=0, atol=1e-10)
+    for name, grad in grads_f.items():
+        torch.testing.assert_close(grad, grads_p[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("d_v", [1, 4])
+def test_beta_zero_model_equals_gpt2(d_v):
+    torch.manual_seed(0)
+    gpt2_config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64)
+    gpt2 = GPT2LMHeadModel(gpt2_config).eval()
+    model = DeltaGPTForCausalLM(tiny_config(delta_value_channels=d_v)).eval()
+    model.load_state_dict(gpt2.state_dict(), strict=False)
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        expected, actual = gpt2(ids).logits, model(ids).logits
+    if d_v == 1:
+        assert torch.equal(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    module = DeltaResidual(tiny_config(delta_mode=mode, delta_value_channels=d_v))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+        module.beta_open.fill_(0.8)
+    state, h, _, _ = make_inputs(d_v, dtype=dtype, shape=(2, 7), dim=32, seed=3)
+    normed = torch.randn(2, 7, 32, dtype=dtype, requires_grad=True)
+    return module, state, normed, h
+
+
+@pytest.mark.parametrize(("d_v", "mode"), [(1, "additive"), (4, "paper")])  # compiling is slow: two cases
+def test_compiled_forward_matches_eager(d_v, mode):
+    module, state, normed, h = residual_and_inputs(d_v, mode)
+    eager_state, eager_beta = module(state, normed, h)
+    compiled = torch.compile(module, backend="inductor", fullgraph=True)
+    compiled_state, compiled_beta = compiled(state, normed, h)
+    torch.testing.assert_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled_beta, eager_beta, rtol=1e-5, atol=1e-6)
+    # The compiled graph keeps the hand-written backward.
+    grad_out = torch.randn_like(eager_state)
+    expected = torch.autograd.grad(eager_state, (state, normed, h), grad_out)
+    actual = torch.autograd.grad(compiled_state, (state, normed, h), grad_out)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_bf16_autocast_keeps_delta_math_in_float32(d_v, mode):
+    """Under bf16 autocast the sublayer output h is bf16; beta, v, r and h^T X must still be float32."""
+    module, state, normed, h = residual_and_inputs(d_v, mode)
+    h_bf16 = h.detach().bfloat16().requires_grad_()
+    saved: list[torch.Tensor] = []
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
+    ):
+        new_state, beta = module(state, normed, h_bf16)
+    assert beta.dtype == torch.float32
+    assert new_state.dtype == torch.float32
+    per_token = [t for t in saved if t.shape[:2] == (2, 7) and t.dim() == 3 and t.shape[-1] in (1, d_v)]
+    assert per_token and all(t.dtype == torch.float32 for t in per_token)  # r, h^T X, v
+    # Same result as the float32 reference computed from the (exactly representable) bf16 h.
+    module.fused = False
+    reference, _ = module(state, normed, h_bf16.float())
+    torch.testing.assert_close(new_state, reference, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(new_state.sum(), (state, normed, h_bf16))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+
+
+def saved_storages(module: DeltaResidual, state, normed, h) -> dict[int, int]:
+    """data_ptr -> nbytes of every distinct storage autograd saves for the backward of one Delta residual."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(state, normed, h)
+    return saved
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_fused_saves_less_for_backward(d_v, mode):
+    """The fused node keeps X and h plus per-token scalars; the plain path also keeps k (size D per token)."""
+    module, state, normed, h = residual_and_inputs(d_v, mode)
+    fused = saved_storages(module, state, normed, h)
+    module.fused = False
+    plain = saved_storages(module, state, normed, h)
+    assert sum(fused.values()) < sum(plain.values())
+    known = {t.untyped_storage().data_ptr() for t in (state, normed, h, *module.parameters())}
+    per_token_bytes = 2 * 7 * d_v * 4  # [batch, seq, d_v] float32
+    new_fused = [n for ptr, n in fused.items() if ptr not in known]
+    new_plain = [n for ptr, n in plain.items() if ptr not in known]
+    assert new_fused and max(new_fused) <= per_token_bytes  # beta, v, r, h^T X: nothing of size D
+    assert max(new_plain) > per_token_bytes  # the reference does save a full-size k
