@@ -73,9 +73,15 @@ def delta_update(
     return new_state if expanded else new_state.squeeze(-1)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the Delta math: float32 for half precision; float32 and float64 stay (float64 for gradcheck)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """Upcast half precision to float32; float32 and float64 pass unchanged (float64 for gradcheck)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+    """`x` in `_compute_dtype`: half precision upcast to float32, float32 and float64 unchanged."""
+    dtype = _compute_dtype(x.dtype)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -260,11 +266,6 @@ class DeltaResidual(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """float32 for half-precision inputs (the state accumulates over the whole sequence), else the input dtype."""
-    return torch.promote_types(tensor.dtype, torch.float32)
-
-
 def delta_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -288,7 +289,7 @@ def delta_rule_recurrent(
         `o` `[B, H, T, d_v]` with `o_t = S_t q_t`, in v's dtype, and the final state `S_T` `[B, H, d_v, d_k]`
         (float32 for half-precision inputs).
     """
-    out_dtype, dtype = v.dtype, _compute_dtype(v)
+    out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)  # the state accumulates over T
     batch, heads, _, d_k = k.shape
     d_v = v.shape[-1]
     q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
@@ -328,7 +329,7 @@ def delta_rule_chunkwise(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    out_dtype, dtype = v.dtype, _compute_dtype(v)
+    out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)  # the state accumulates over T
     batch, heads, seq_len, d_k = k.shape
     d_v = v.shape[-1]
     q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
