@@ -788,13 +788,15 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 f"Sequence too long: {seq_len} new tokens + {past_len} cached tokens > n_positions={n_positions}. "
                 f"Truncate the input (e.g. tokenizer(..., truncation=True, max_length={n_positions}))."
             )
-        if position_ids is not None and position_ids.numel() and int(position_ids.max()) >= n_positions:
-            raise ValueError(
-                f"position_ids reach {int(position_ids.max())}, but the model has n_positions={n_positions}; "
-                "truncate the input or pass smaller position_ids."
-            )
+        if position_ids is not None and position_ids.numel():
+            highest = int(position_ids.max())  # generation passes position_ids: one host transfer per step
+            if highest >= n_positions:
+                raise ValueError(
+                    f"position_ids reach {highest}, but the model has n_positions={n_positions}; "
+                    "truncate the input or pass smaller position_ids."
+                )
         if input_ids is not None and input_ids.numel():
-            low, high = int(input_ids.min()), int(input_ids.max())
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(
                     f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) "
