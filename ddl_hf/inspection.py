@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,4 +126,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_inspect)
 
 
-__all__ = ["BetaMap", "add_cli", "beta_map", "load_model_and_tokenizer", "run_inspect"]
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddl_hf.inspection MODEL --text FILE`: the same as `ddl-hf inspect MODEL --text FILE`."""
+    parser = argparse.ArgumentParser(prog="ddl-hf")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["BetaMap", "add_cli", "beta_map", "load_model_and_tokenizer", "main", "run_inspect"]

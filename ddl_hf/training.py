@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -229,6 +230,12 @@ def base_gpt2(
     return GPT2LMHeadModel.from_pretrained(target).eval(), tokenizer, f"small GPT-2 pretrained here, cached at {target}"
 
 
+def add_base_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--base` / `--cache-dir`, the way every example picks its base GPT-2."""
+    parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: small cached GPT-2)")
+    parser.add_argument("--cache-dir", default=None, help="cache of the small base GPT-2 (default ~/.cache/ddl_hf)")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Fine-tuning
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,6 +307,7 @@ __all__ = [
     "DEFAULT_CACHE_DIR",
     "BaseSpec",
     "DeltaTrainer",
+    "add_base_arguments",
     "FinetuneResult",
     "base_gpt2",
     "finetune",
