@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         "| model | eval loss after (mean ± std) | eval perplexity after | per seed |",
         "|---|---|---|---|",
     ]
-    for name, v in results["variants"].items():
+    for v in results["variants"].values():
         per_seed = ", ".join(f"{r['eval_loss_after']:.4f}" for r in v["runs"])
         lines.append(f"| {v['label']} | {v['mean']:.4f} ± {v['std']:.4f} | {math.exp(v['mean']):.2f} | {per_seed} |")
     first = next(iter(results["variants"].values()))["runs"][0]

@@ -35,7 +35,9 @@ class BetaMap:
         lines = [header, "-" * len(header)]
         for label, row in zip(self.labels, self.betas):
             s = beta_stats(row)
-            mostly = max(("keeps", s["keep"]), ("forgets", s["project"]), ("reflects", s["reflect"]), key=lambda x: x[1])
+            mostly = max(
+                ("keeps", s["keep"]), ("forgets", s["project"]), ("reflects", s["reflect"]), key=lambda x: x[1]
+            )
             lines.append(
                 f"{label:<10} {s['mean']:>6.3f} {float(row.min()):>6.3f} {float(row.max()):>6.3f}  "
                 f"{s['keep']:>9.1%} {s['project']:>8.1%} {s['reflect']:>11.1%}  {mostly[0]}"
@@ -65,9 +67,7 @@ class BetaMap:
 
 
 @torch.no_grad()
-def beta_map(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int = 64
-) -> BetaMap:
+def beta_map(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int = 64) -> BetaMap:
     """Betas of every Delta block for the first `max_tokens` tokens of `text`."""
     limit = min(max_tokens, model.config.n_positions)
     input_ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)["input_ids"]

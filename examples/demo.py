@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, pipeline, set_seed
 
 import ddl_hf
 from ddl_hf.callbacks import DeltaStatsCallback, beta_history, plot_beta_history
-from ddl_hf.corpus import lm_datasets, tokenize_and_chunk, load_text
+from ddl_hf.corpus import lm_datasets, load_text, tokenize_and_chunk
 from ddl_hf.training import BaseSpec, base_gpt2, finetune
 
 SMOKE_SPEC = BaseSpec(n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32, steps=4, batch_size=2)
@@ -38,12 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: small GPT-2 built here)")
     parser.add_argument("--cache-dir", default=None, help="where the small base GPT-2 is cached (~/.cache/ddl_hf)")
     parser.add_argument("--output-dir", default="outputs/demo", help="plots, logs and the saved DeltaGPT")
-    parser.add_argument("--steps", type=int, default=60, help="fine-tuning optimizer steps (same for both models)")
+    parser.add_argument("--steps", type=int, default=40, help="fine-tuning optimizer steps (same for both models)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-4, help="fine-tuning learning rate")
     parser.add_argument("--delta-lr-scale", type=float, default=10.0, help="lr multiplier of the Delta parameters")
     parser.add_argument("--value-channels", type=int, default=1, help="DeltaGPT d_v")
-    parser.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for eval perplexity")
+    parser.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for eval perplexity")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes everywhere: checks the pipeline quickly")
     return parser.parse_args(argv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, TextStreamer, pipeline, set_seed
+from transformers import TextStreamer, pipeline, set_seed
 
 import ddl_hf
 from ddl_hf.training import add_base_arguments, base_gpt2
@@ -51,7 +51,11 @@ def main(argv: list[str] | None = None) -> dict:
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     set_seed(args.seed)
     sampled = generator(
-        PROMPTS, batch_size=len(PROMPTS), max_new_tokens=args.max_new_tokens, do_sample=True, top_p=0.95,
+        PROMPTS,
+        batch_size=len(PROMPTS),
+        max_new_tokens=args.max_new_tokens,
+        do_sample=True,
+        top_p=0.95,
         temperature=0.9,
     )
     print("== pipeline, batched, left-padded, sampling")

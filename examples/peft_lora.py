@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = Path(args.output_dir)
     set_seed(args.seed)
-    gpt2, tokenizer, origin = base_gpt2(args.base, cache_dir=args.cache_dir)
+    gpt2, tokenizer, _ = base_gpt2(args.base, cache_dir=args.cache_dir)
     # The base the adapter belongs to: save the converted DeltaGPT once, and load it fresh wherever needed.
     ddl_hf.convert_gpt2(gpt2).save_pretrained(out / "base-delta-gpt")
     tokenizer.save_pretrained(out / "base-delta-gpt")
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.tensor(data["eval"]["input_ids"][:2])
     with torch.no_grad():
         trained = model.eval()(ids).logits
-        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base-delta-gpt"), out / "adapter")
+        reloaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(out / "base-delta-gpt"), out / "adapter"
+        )
         unmerged = reloaded.eval()(ids).logits
         merged_model = reloaded.merge_and_unload()
         merged = merged_model.eval()(ids).logits

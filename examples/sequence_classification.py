@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = Path(args.output_dir)
     set_seed(args.seed)
-    gpt2, tokenizer, origin = base_gpt2(args.base, cache_dir=args.cache_dir)
+    gpt2, tokenizer, _ = base_gpt2(args.base, cache_dir=args.cache_dir)
     ddl_hf.convert_gpt2(gpt2).save_pretrained(out / "delta-gpt-lm")
     model = ddl_hf.DeltaGPTForSequenceClassification.from_pretrained(
         out / "delta-gpt-lm",

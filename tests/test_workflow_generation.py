@@ -8,7 +8,6 @@ import io
 import pytest
 import torch
 from transformers import pipeline, set_seed
-
 from workflow_utils import load_example, tiny_gpt2_dir
 
 
@@ -76,8 +75,14 @@ def test_beam_search_scores_are_sequence_log_probs(generation):
     batch = tokenizer(example.PROMPTS, return_tensors="pt", padding=True)
     with torch.no_grad():
         beams = model.generate(
-            **batch, num_beams=3, max_new_tokens=6, min_new_tokens=6, do_sample=False, length_penalty=0.0,
-            output_scores=True, return_dict_in_generate=True,
+            **batch,
+            num_beams=3,
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            length_penalty=0.0,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
         greedy = model.generate(**batch, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     prompt_len = batch["input_ids"].shape[1]

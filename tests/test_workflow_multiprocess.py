@@ -16,9 +16,23 @@ def test_two_process_gloo_trainer_ranks_agree(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
         str(ROOT / "examples" / "multiprocess_train.py"),
-        "--base", str(base), "--output-dir", str(out), "--steps", "3", "--batch-size", "2", "--block-size", "16",
+        "--base",
+        str(base),
+        "--output-dir",
+        str(out),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "16",
     ]
     completed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
