@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default=str(RESULTS))
     parser.add_argument("--name", default="finetune", help="stem of the result files")
     parser.add_argument("--base-spec", default=None, help="JSON BaseSpec overrides for the default base")
+    parser.add_argument("--from-json", default=None, help="only re-render the report of an earlier results JSON")
     return parser.parse_args(argv)
 
 
@@ -85,8 +86,43 @@ def plot(results: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def write_report(results: dict, out: Path, name: str) -> None:
+    """Markdown table (mean ± std, per seed, paired difference to GPT-2 at the same seed) and the plot."""
+    b = results["budget"]
+    seeds = results["seeds"]
+    lines = [
+        f"Base: {results['base']} ({results['base_params'] / 1e6:.1f}M parameters). Budget: {b['steps']} steps x "
+        f"{b['batch_size']} x {b['block_size']} tokens, lr {b['learning_rate']} (Delta parameters x"
+        f"{b['delta_lr_scale']}), {b['scheduler']}; eval on {b['eval_text']}; seeds {seeds}.",
+        "",
+        "| model | eval loss after (mean ± std) | eval perplexity after | per seed | paired diff. vs GPT-2 (mean) |",
+        "|---|---|---|---|---|",
+    ]
+    reference = results["variants"].get("gpt2")
+    for v in results["variants"].values():
+        per_seed = ", ".join(f"{r['eval_loss_after']:.4f}" for r in v["runs"])
+        paired = "—"
+        if reference is not None and v is not reference:
+            diffs = [r["eval_loss_after"] - g["eval_loss_after"] for r, g in zip(v["runs"], reference["runs"])]
+            paired = f"{statistics.fmean(diffs):+.4f} ({', '.join(f'{d:+.4f}' for d in diffs)})"
+        lines.append(
+            f"| {v['label']} | {v['mean']:.4f} ± {v['std']:.4f} | {math.exp(v['mean']):.2f} | {per_seed} | {paired} |"
+        )
+    first = next(iter(results["variants"].values()))["runs"][0]
+    lines += ["", f"Eval loss before fine-tuning (all variants, same function): {first['eval_loss_before']:.4f}."]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    plot(results, out / f"{name}.png", f"eval loss after {b['steps']} fine-tuning steps, {len(seeds)} seeds")
+    print("\n".join(lines))
+    print(f"\nwritten to {out}/{name}.{{json,md,png}} in {results['wall_seconds']:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.from_json:  # re-render the table and plot of an earlier run, without training
+        path = Path(args.from_json)
+        results = json.loads(path.read_text())
+        write_report(results, path.parent, path.stem)
+        return results
     start = time.time()
     spec = BaseSpec(**json.loads(args.base_spec)) if args.base_spec else BaseSpec()
     gpt2, tokenizer, origin = base_gpt2(args.base, cache_dir=args.cache_dir, spec=spec)
@@ -164,24 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-    b = results["budget"]
-    lines = [
-        f"Base: {origin} ({results['base_params'] / 1e6:.1f}M parameters). Budget: {b['steps']} steps x "
-        f"{b['batch_size']} x {b['block_size']} tokens, lr {b['learning_rate']} (Delta parameters x"
-        f"{b['delta_lr_scale']}), {b['scheduler']}; eval on {b['eval_text']}; seeds {args.seeds}.",
-        "",
-        "| model | eval loss after (mean ± std) | eval perplexity after | per seed |",
-        "|---|---|---|---|",
-    ]
-    for v in results["variants"].values():
-        per_seed = ", ".join(f"{r['eval_loss_after']:.4f}" for r in v["runs"])
-        lines.append(f"| {v['label']} | {v['mean']:.4f} ± {v['std']:.4f} | {math.exp(v['mean']):.2f} | {per_seed} |")
-    first = next(iter(results["variants"].values()))["runs"][0]
-    lines += ["", f"Eval loss before fine-tuning (all variants, same function): {first['eval_loss_before']:.4f}."]
-    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    plot(results, out / f"{args.name}.png", f"eval loss after {b['steps']} fine-tuning steps, {len(args.seeds)} seeds")
-    print("\n".join(lines))
-    print(f"\nwritten to {out}/{args.name}.{{json,md,png}} in {results['wall_seconds']:.0f} s")
+    write_report(results, out, args.name)
     return results
 
 
