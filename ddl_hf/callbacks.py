@@ -73,6 +73,8 @@ class DeltaStatsCallback(TrainerCallback):
     The values go into `logs` (seen by callbacks after this one, e.g. TensorBoard/W&B integrations added later)
     and into `state.log_history` (so `trainer_state.json` in every checkpoint has them, and `plot_beta_history`
     can draw beta per layer over training). Only training-mode forward passes are counted, not evaluation.
+    Statistics cover every position of the batch (padding included) and are per process under DDP; with gradient
+    checkpointing the recomputed forward passes are counted too (the same betas twice, so the means are unchanged).
     """
 
     def __init__(self) -> None:
