@@ -139,6 +139,7 @@ class BaseSpec:
     seed: int = 0
     corpus: str = "austen"
     extra: dict = field(default_factory=dict)
+    recipe: int = 2  # bumped when the pretraining code changes, so that stale cached bases are not reused
 
     def key(self) -> str:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
