@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--delta-lr-scale", type=float, default=10.0, help="lr multiplier of the Delta parameters")
+    parser.add_argument("--delta-lr-scale", type=float, default=1.0, help="lr multiplier of the Delta parameters")
     parser.add_argument("--eval-blocks", type=int, default=24)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="fine-tuning optimizer steps (same for both models)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-4, help="fine-tuning learning rate")
-    parser.add_argument("--delta-lr-scale", type=float, default=10.0, help="lr multiplier of the Delta parameters")
+    parser.add_argument("--delta-lr-scale", type=float, default=1.0, help="lr multiplier of the Delta parameters")
     parser.add_argument("--value-channels", type=int, default=1, help="DeltaGPT d_v")
     parser.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for eval perplexity")
     parser.add_argument("--seed", type=int, default=0)

@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=data["eval"],
         data_collator=default_data_collator,
         callbacks=[DeltaStatsCallback()],
-        delta_lr_scale=10.0,
     )
     initial = parameter_digest(model)
     trainer.train()

@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--delta-lr-scale", type=float, default=10.0)
+    parser.add_argument("--delta-lr-scale", type=float, default=1.0)
     parser.add_argument("--eval-blocks", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", default=None, help="checkpoint directory, or 'latest' in --output-dir")
