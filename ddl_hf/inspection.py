@@ -1,0 +1,140 @@
+"""`ddl-hf inspect MODEL --text FILE`: which Delta blocks keep, forget (project) or reflect, token by token.
+
+Runs the model once with `output_betas=True`, prints a per-block table of beta statistics and writes a heat-map
+PNG of beta by block (rows: layer, attention then MLP) and token (columns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .callbacks import KEEP_BELOW, REFLECT_ABOVE, beta_stats
+
+
+@dataclass
+class BetaMap:
+    """Betas of one text: `betas[block, token]`, with block labels (`L0.attn`, `L0.mlp`, ...) and token strings."""
+
+    tokens: list[str]
+    labels: list[str]
+    betas: torch.Tensor
+
+    def table(self) -> str:
+        """A fixed-width per-block table: mean/min/max beta and the fraction of tokens in each regime."""
+        header = (
+            f"{'block':<10} {'mean':>6} {'min':>6} {'max':>6}  "
+            f"{'keep<' + str(KEEP_BELOW):>9} {'project':>8} {'reflect>' + str(REFLECT_ABOVE):>11}  mostly"
+        )
+        lines = [header, "-" * len(header)]
+        for label, row in zip(self.labels, self.betas):
+            s = beta_stats(row)
+            mostly = max(
+                ("keeps", s["keep"]), ("forgets", s["project"]), ("reflects", s["reflect"]), key=lambda x: x[1]
+            )
+            lines.append(
+                f"{label:<10} {s['mean']:>6.3f} {float(row.min()):>6.3f} {float(row.max()):>6.3f}  "
+                f"{s['keep']:>9.1%} {s['project']:>8.1%} {s['reflect']:>11.1%}  {mostly[0]}"
+            )
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike, title: str = "") -> str:
+        """Heat-map PNG of beta (0 = keep, 1 = project, 2 = reflect) by block and token."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        n_blocks, n_tokens = self.betas.shape
+        fig, ax = plt.subplots(figsize=(max(6, 0.28 * n_tokens + 2), max(3, 0.3 * n_blocks + 1.5)))
+        image = ax.imshow(self.betas.numpy(), aspect="auto", cmap="coolwarm", vmin=0.0, vmax=2.0)
+        ax.set_yticks(range(n_blocks), self.labels, fontsize=7)
+        ax.set_xticks(range(n_tokens), [t.replace("\n", "\\n") for t in self.tokens], rotation=90, fontsize=7)
+        ax.set_xlabel("token")
+        ax.set_ylabel("Delta block")
+        ax.set_title(title or "beta by block and token (0 keep, 1 project/forget, 2 reflect)")
+        fig.colorbar(image, ax=ax, label="beta")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return str(path)
+
+
+@torch.no_grad()
+def beta_map(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int = 64) -> BetaMap:
+    """Betas of every Delta block for the first `max_tokens` tokens of `text`."""
+    limit = min(max_tokens, model.config.n_positions)
+    input_ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)["input_ids"]
+    if input_ids.shape[1] == 0:
+        raise ValueError("The text is empty after tokenization.")
+    model.eval()
+    outputs = model(input_ids.to(model.device), output_betas=True)
+    betas = torch.stack([b[0].float().cpu() for b in outputs.betas])
+    labels = [f"L{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(betas.shape[0])]
+    tokens = [tokenizer.decode([t]) for t in input_ids[0].tolist()]
+    return BetaMap(tokens=tokens, labels=labels, betas=betas)
+
+
+def load_model_and_tokenizer(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A DeltaGPT causal LM (Hub id or directory) and its tokenizer; GPT-2's tokenizer if none is saved with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ddl_hf  # noqa: F401  (registers DeltaGPT with the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(name)
+    if not hasattr(model.config, "delta_mode"):
+        raise ValueError(f"{name} is a {type(model).__name__}, not a DeltaGPT model; convert it first.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError):
+        from .corpus import gpt2_tokenizer
+
+        tokenizer = gpt2_tokenizer()
+    return model, tokenizer
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """The `inspect` subcommand: print the table, write the heat-map."""
+    text = Path(args.text).read_text(encoding="utf-8")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    result = beta_map(model, tokenizer, text, max_tokens=args.max_tokens)
+    print(f"beta per Delta block of {args.model} on {args.text} ({len(result.tokens)} tokens)")
+    print(result.table())
+    output = args.output or f"{Path(args.text).stem}_betas.png"
+    result.plot(output, title=f"beta of {Path(args.model).name} on {Path(args.text).name}")
+    print(f"heat-map written to {output}")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Register `ddl-hf inspect`."""
+    parser = subparsers.add_parser(
+        "inspect",
+        help="per-layer beta report and heat-map of a DeltaGPT model on a text",
+        description="Show which Delta blocks keep (beta<0.5), forget/project (0.5-1.5) or reflect (>1.5).",
+    )
+    parser.add_argument("model", help="DeltaGPT Hub id or directory")
+    parser.add_argument("--text", required=True, help="UTF-8 text file to run the model on")
+    parser.add_argument("--output", default=None, help="heat-map PNG path (default: <text stem>_betas.png)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="number of leading tokens to inspect")
+    parser.set_defaults(func=run_inspect)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddl_hf.inspection MODEL --text FILE`: the same as `ddl-hf inspect MODEL --text FILE`."""
+    parser = argparse.ArgumentParser(prog="ddl-hf")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["BetaMap", "add_cli", "beta_map", "load_model_and_tokenizer", "main", "run_inspect"]

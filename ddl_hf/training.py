@@ -1,0 +1,319 @@
+"""Trainer helpers shared by the demo, the examples and the benchmark.
+
+- `DeltaTrainer`: a `transformers.Trainer` that can give the Delta parameters their own learning rate (the gates
+  start exactly closed, so with the base model's small fine-tuning learning rate they barely move).
+- `base_gpt2`: the base GPT-2 of the demo: a Hub id / directory when given, else a small GPT-2 pretrained here on
+  the bundled public-domain corpus and cached, so that everything works offline.
+- `finetune`: one causal-LM fine-tuning run with eval perplexity before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
+
+from .corpus import gpt2_tokenizer, load_text, tokenize_and_chunk
+
+DEFAULT_CACHE_DIR = Path(os.environ.get("DDL_HF_CACHE", Path.home() / ".cache" / "ddl_hf"))
+
+
+def is_delta_parameter(name: str) -> bool:
+    """True for the parameters DeltaGPT adds to GPT-2 (gates, values, read vectors), under any wrapper prefix."""
+    return "attn_delta." in name or "mlp_delta." in name or name.endswith("read_out") or ".read_out." in name
+
+
+class DeltaTrainer(Trainer):
+    """`Trainer` whose optimizer puts the Delta parameters in their own group (lr x `delta_lr_scale`, no decay).
+
+    Why: converted models start with every gate exactly closed (beta = 0), and only the opening parameter gets a
+    gradient there. A larger learning rate for the few Delta parameters lets gates open within a short fine-tune
+    without changing how the pretrained GPT-2 weights are trained. With `delta_lr_scale=1` it is plain Trainer.
+    """
+
+    def __init__(self, *args: Any, delta_lr_scale: float = 1.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.delta_lr_scale = float(delta_lr_scale)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        opt_model = self.model if model is None else model
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [
+                {
+                    "params": [p for n, p in named if n in decay and not is_delta_parameter(n)],
+                    "weight_decay": self.args.weight_decay,
+                },
+                {
+                    "params": [p for n, p in named if n not in decay and not is_delta_parameter(n)],
+                    "weight_decay": 0.0,
+                },
+                {
+                    "params": [p for n, p in named if is_delta_parameter(n)],
+                    "weight_decay": 0.0,
+                    "lr": self.args.learning_rate * self.delta_lr_scale,
+                },
+            ]
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+            return self.optimizer
+        return super().create_optimizer(model)
+
+
+def use_causal_lm_loss_accounting(model: torch.nn.Module) -> torch.nn.Module:
+    """Make Trainer count causal-LM loss tokens correctly for `GPT2LMHeadModel` (sets `loss_type`).
+
+    Why: transformers derives `loss_type` from the class name; for `GPT2LMHeadModel` it is None, so Trainer counts
+    `num_items_in_batch` over unshifted labels and reports GPT-2's loss scaled by (T-1)/T, while DeltaGPT's
+    (`...ForCausalLM`) is exact. Comparing the two needs the same accounting.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(inner, GPT2LMHeadModel) and getattr(inner, "loss_type", None) is None:
+        inner.loss_type = "ForCausalLM"
+    return model
+
+
+def training_arguments(output_dir: str | os.PathLike, **overrides: Any) -> TrainingArguments:
+    """TrainingArguments with CPU-friendly, offline, reproducible defaults (no reporting integrations)."""
+    defaults: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=10,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=16,
+        learning_rate=5e-4,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.01,
+        dataloader_num_workers=0,
+        seed=0,
+        data_seed=0,
+    )
+    defaults.update(overrides)
+    return TrainingArguments(**defaults)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The base GPT-2
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BaseSpec:
+    """How the default small base GPT-2 is built; its hash names the cache entry, so changing it retrains."""
+
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    n_positions: int = 256
+    block_size: int = 128
+    steps: int = 250
+    batch_size: int = 4
+    learning_rate: float = 2e-3
+    warmup_steps: int = 25
+    seed: int = 0
+    corpus: str = "austen"
+    extra: dict = field(default_factory=dict)
+    recipe: int = 2  # bumped when the pretraining code changes, so that stale cached bases are not reused
+
+    def key(self) -> str:
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return f"gpt2-{self.n_layer}x{self.n_embd}-{self.corpus}-{self.steps}steps-{digest}"
+
+
+def pretrain_small_gpt2(
+    spec: BaseSpec, output_dir: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | None = None
+) -> GPT2LMHeadModel:
+    """Pretrain a small GPT-2 (GPT-2's BPE, 50257 tokens) from scratch with `Trainer`; save it to `output_dir`."""
+    tokenizer = tokenizer or gpt2_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_layer=spec.n_layer,
+        n_embd=spec.n_embd,
+        n_head=spec.n_head,
+        n_positions=spec.n_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **spec.extra,
+    )
+    torch.manual_seed(spec.seed)
+    model = use_causal_lm_loss_accounting(GPT2LMHeadModel(config))
+    blocks = tokenize_and_chunk(
+        load_text(spec.corpus), tokenizer, spec.block_size, max_blocks=spec.steps * spec.batch_size
+    )
+    output_dir = Path(output_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        args = training_arguments(
+            scratch,
+            max_steps=spec.steps,
+            per_device_train_batch_size=spec.batch_size,
+            learning_rate=spec.learning_rate,
+            warmup_steps=spec.warmup_steps,
+            logging_steps=max(1, spec.steps // 10),
+            seed=spec.seed,
+            data_seed=spec.seed,
+        )
+        Trainer(model=model, args=args, train_dataset=blocks, data_collator=default_data_collator).train()
+    model.eval()
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    (output_dir / "ddl_hf_base.json").write_text(json.dumps(asdict(spec), indent=2))
+    return model
+
+
+def base_gpt2(
+    base: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    spec: BaseSpec | None = None,
+) -> tuple[GPT2LMHeadModel, PreTrainedTokenizerBase, str]:
+    """The demo's base GPT-2 and its tokenizer, plus a description of where it came from.
+
+    `base` is a Hub id (e.g. "gpt2", needs network) or a directory. Without it, a small GPT-2 is pretrained on
+    the bundled Austen corpus once and cached under `cache_dir` (default `~/.cache/ddl_hf`, or `$DDL_HF_CACHE`);
+    later calls load the cached copy. The cache entry is written to a temporary directory and renamed, so an
+    interrupted run never leaves a half-written base behind.
+    """
+    if base is not None:
+        from transformers import AutoTokenizer
+
+        model = GPT2LMHeadModel.from_pretrained(base)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(base)
+        except (OSError, ValueError):  # a directory with weights only: GPT-2's own tokenizer
+            tokenizer = gpt2_tokenizer()
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model.eval(), tokenizer, f"{base}"
+
+    spec = spec or BaseSpec()
+    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    target = root / "base" / spec.key()
+    tokenizer = gpt2_tokenizer()
+    if (target / "model.safetensors").exists():
+        return GPT2LMHeadModel.from_pretrained(target).eval(), tokenizer, f"cached small GPT-2 at {target}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        print(f"Pretraining a small GPT-2 ({spec.n_layer} layers x {spec.n_embd}) on the bundled corpus...")
+        pretrain_small_gpt2(spec, scratch, tokenizer)
+        if target.exists():  # another process won the race: use its copy
+            shutil.rmtree(scratch)
+        else:
+            scratch.rename(target)
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return GPT2LMHeadModel.from_pretrained(target).eval(), tokenizer, f"small GPT-2 pretrained here, cached at {target}"
+
+
+def add_base_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--base` / `--cache-dir`, the way every example picks its base GPT-2."""
+    parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: small cached GPT-2)")
+    parser.add_argument("--cache-dir", default=None, help="cache of the small base GPT-2 (default ~/.cache/ddl_hf)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fine-tuning
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FinetuneResult:
+    """Eval loss / perplexity before and after one fine-tuning run, and the Trainer's log history."""
+
+    eval_loss_before: float
+    eval_loss_after: float
+    log_history: list[dict] = field(default_factory=list)
+
+    @property
+    def perplexity_before(self) -> float:
+        return math.exp(self.eval_loss_before)
+
+    @property
+    def perplexity_after(self) -> float:
+        return math.exp(self.eval_loss_after)
+
+
+def finetune(
+    model: PreTrainedModel,
+    train_dataset: Dataset,
+    eval_dataset: Dataset,
+    output_dir: str | os.PathLike,
+    steps: int,
+    learning_rate: float = 5e-4,
+    batch_size: int = 8,
+    seed: int = 0,
+    delta_lr_scale: float = 1.0,
+    callbacks: Sequence[TrainerCallback] = (),
+    **argument_overrides: Any,
+) -> FinetuneResult:
+    """Fine-tune a causal LM for `steps` optimizer steps with `DeltaTrainer`; evaluate before and after.
+
+    The same call with the same seed trains GPT-2 and DeltaGPT on the same batches in the same order, which is
+    what makes the side-by-side comparison fair.
+    """
+    args = training_arguments(
+        output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate,
+        warmup_steps=max(1, steps // 10),
+        logging_steps=max(1, steps // 10),
+        seed=seed,
+        data_seed=seed,
+        **argument_overrides,
+    )
+    trainer = DeltaTrainer(
+        model=use_causal_lm_loss_accounting(model),
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=default_data_collator,
+        callbacks=list(callbacks),
+        delta_lr_scale=delta_lr_scale,
+    )
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    model.eval()
+    return FinetuneResult(before, after, list(trainer.state.log_history))
+
+
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "BaseSpec",
+    "DeltaTrainer",
+    "FinetuneResult",
+    "add_base_arguments",
+    "base_gpt2",
+    "finetune",
+    "is_delta_parameter",
+    "pretrain_small_gpt2",
+    "training_arguments",
+    "use_causal_lm_loss_accounting",
+]

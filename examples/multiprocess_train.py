@@ -1,0 +1,94 @@
+"""Multi-process (DDP) fine-tuning of DeltaGPT with Trainer on CPUs, gloo backend.
+
+    torchrun --standalone --nproc_per_node 2 examples/multiprocess_train.py --output-dir outputs/ddp
+    accelerate launch --cpu --num_processes 2 examples/multiprocess_train.py --output-dir outputs/ddp
+
+Each process writes `rank{N}.json` with a SHA-256 of its final parameters: DDP keeps the replicas identical, so
+all ranks must report the same digest. On GPUs drop `--ddp-backend gloo` (NCCL is the default there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import default_data_collator, set_seed
+
+import ddl_hf
+from ddl_hf.callbacks import DeltaStatsCallback
+from ddl_hf.corpus import lm_datasets
+from ddl_hf.training import DeltaTrainer, add_base_arguments, base_gpt2, training_arguments
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's name and bytes: equal digests mean bit-identical models."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_base_arguments(parser)
+    parser.add_argument("--output-dir", default="outputs/multiprocess")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=2, help="per process")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--ddp-backend", default="gloo")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.output_dir)
+    set_seed(args.seed)
+    gpt2, tokenizer, _ = base_gpt2(args.base, cache_dir=args.cache_dir)
+    model = ddl_hf.convert_gpt2(gpt2).train()  # same seed on every rank; DDP broadcasts rank 0's weights anyway
+    block_size = min(args.block_size, model.config.n_positions)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = lm_datasets(tokenizer, block_size, max_train_blocks=args.steps * args.batch_size * world, max_eval_blocks=4)
+    training_args = training_arguments(
+        out / "trainer",
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        logging_steps=max(1, args.steps // 4),
+        ddp_backend=args.ddp_backend,
+        seed=args.seed,
+    )
+    trainer = DeltaTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data["train"],
+        eval_dataset=data["eval"],
+        data_collator=default_data_collator,
+        callbacks=[DeltaStatsCallback()],
+    )
+    initial = parameter_digest(model)
+    trainer.train()
+    metrics = trainer.evaluate()
+    rank = training_args.process_index
+    report = {
+        "rank": rank,
+        "world_size": training_args.world_size,
+        "initial_digest": initial,
+        "final_digest": parameter_digest(trainer.model),
+        "global_step": trainer.state.global_step,
+        "eval_loss": metrics["eval_loss"],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=2))
+    print(f"rank {rank}/{training_args.world_size}: params sha256 {report['final_digest'][:16]}...")
+    trainer.save_model(str(out / "final"))  # written by the main process only
+
+
+if __name__ == "__main__":
+    main()

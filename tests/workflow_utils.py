@@ -1,0 +1,53 @@
+"""Helpers for the workflow tests: a tiny GPT-2 with the real GPT-2 tokenizer, and loading the example scripts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from ddl_hf.corpus import gpt2_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_gpt2_dir(path: Path, seed: int = 0, dropout: float = 0.1) -> Path:
+    """Save a 2-layer, 16-wide GPT-2 with GPT-2's real 50257-token vocabulary (and its tokenizer) to `path`."""
+    torch.manual_seed(seed)
+    tokenizer = gpt2_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_example(name: str) -> ModuleType:
+    """Import `examples/<name>.py` as a module (the examples are scripts, not a package)."""
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def state_dict_equal(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """Names of the parameters/buffers that differ (empty when bit-identical)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return [k for k in sa if not torch.equal(sa[k], sb[k])]
