@@ -5,6 +5,8 @@ works without `trust_remote_code`, and makes `save_pretrained` write the two Hub
 weights, so the saved directory also loads where `ddl_hf` is not installed.
 """
 
+import importlib
+
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -30,11 +32,23 @@ from .modeling_delta_gpt import (
     DeltaGPTForTokenClassification,
     DeltaGPTModel,
     DeltaGPTPreTrainedModel,
+    DeltaNetAttention,
+    DeltaNetCache,
     DeltaResidual,
     delta_update,
 )
 
 __version__ = "0.1.0"
+
+# Training helpers import Trainer and datasets (seconds): loaded on first use, not with the model.
+_LAZY_EXPORTS = {"DeltaStatsCallback": "callbacks", "DeltaTrainer": "training"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _AUTO_CLASSES = (
     (AutoModel, DeltaGPTModel),
@@ -57,7 +71,11 @@ __all__ = [
     "DeltaGPTForTokenClassification",
     "DeltaGPTModel",
     "DeltaGPTPreTrainedModel",
+    "DeltaNetAttention",
+    "DeltaNetCache",
     "DeltaResidual",
+    "DeltaStatsCallback",
+    "DeltaTrainer",
     "EquivalenceReport",
     "beta_upper_bounds",
     "convert_checkpoint",
