@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -108,12 +107,3 @@ def save_source(model: GPT2LMHeadModel, directory: Path, tokenizer: bool = True)
     if tokenizer:
         byte_tokenizer().save_pretrained(directory)
     return directory
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread (and do not slow down when the CI machine is busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -13,7 +13,6 @@ from gpt2_fixtures import (
     GPT2_FAMILY,
     byte_tokenizer,
     family_config,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     random_gpt2,
     text_ids,
     trained_gpt2,
@@ -22,6 +21,8 @@ from transformers import GPT2Config
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]  # byte-level ids of held-out text, n_positions = 128
 

@@ -20,7 +20,6 @@ import torch
 from gpt2_fixtures import (
     EOS,
     byte_tokenizer,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     save_source,
     text_ids,
     tiny_config,
@@ -33,6 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 import ddl_hf
 from ddl_hf import cli
 from ddl_hf.conversion import SAMPLE_TEXT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]

@@ -13,16 +13,9 @@ from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 from ddl_hf.modeling_delta_gpt import DeltaNetAttention, DeltaNetCache
 from ddl_hf.ops import delta_rule_recurrent
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 61
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds sync cost, which explodes on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides) -> DeltaGPTConfig:

@@ -10,14 +10,7 @@ from torch.nn.functional import normalize
 
 from ddl_hf.ops import delta_rule_chunkwise, delta_rule_recurrent
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds sync cost, which explodes on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_inputs(batch=2, heads=3, seq_len=37, d_k=8, d_v=5, beta_max=1.0, dtype=torch.float32, seed=0):

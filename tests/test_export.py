@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 from gpt2_fixtures import (
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     text_ids,
     trained_gpt2,
 )
@@ -19,6 +18,8 @@ from transformers import GPT2LMHeadModel
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 

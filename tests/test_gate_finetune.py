@@ -7,9 +7,9 @@ moves every opening by about lr per step: up where opening helps (beta > 0), dow
 
 from __future__ import annotations
 
+import pytest
 import torch
 from gpt2_fixtures import (
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     text_ids,
     trained_gpt2,
 )
@@ -17,6 +17,8 @@ from transformers import Trainer, TrainingArguments
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Fine-tuning data from another "domain" than the source's training text, so there is something to learn.
 FINETUNE_IDS = text_ids(SAMPLE_TEXT * 2)[0]
