@@ -27,7 +27,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple, logging
@@ -631,11 +631,10 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
-        if isinstance(module, (GPT2Attention, GPT2MLP)):
-            # GPT-2's scaled init of the residual projections: 2 residual paths per layer.
-            init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
-        if isinstance(module, DeltaNetAttention):  # same scaled init for the DeltaNet output projection
-            init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        if isinstance(module, (GPT2Attention, GPT2MLP, DeltaNetAttention)):
+            # GPT-2's scaled init of the projections that write to the residual: 2 residual paths per layer.
+            out_proj = module.o_proj if isinstance(module, DeltaNetAttention) else module.c_proj
+            init.normal_(out_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
         if isinstance(module, DeltaResidual):
             # beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0 so beta is the same for every
             # token; rho (the opening) and b are set so that beta == delta_beta_init exactly.
@@ -862,8 +861,7 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, slice_indices, :])
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
 
         loss = None
         if labels is not None:
