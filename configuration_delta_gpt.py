@@ -6,13 +6,16 @@ Self-contained Hub custom-code file: it imports only transformers.
 from __future__ import annotations
 
 import math
+import warnings
 
 from transformers import GPT2Config
 
 DELTA_MODES = ("additive", "paper")
 DELTA_GATES = ("linear", "mlp")
 TOKEN_MIXERS = ("attention", "delta_net")
-DELTA_NET_RULES = ("delta", "additive")
+DELTA_NET_RULES = ("delta", "write_only")
+# Old spellings still accepted, with a FutureWarning: {old: new}.
+DELTA_NET_RULE_ALIASES = {"additive": "write_only"}
 
 # Every Auto class a saved DeltaGPT directory can be loaded with, through Hub custom code.
 AUTO_MAP = {
@@ -69,8 +72,9 @@ class DeltaGPTConfig(GPT2Config):
             beta = 2 sigmoid(.) in (0, 2) instead of sigmoid(.) in (0, 1): the transition I - beta k k^T can then have
             the negative eigenvalue 1 - beta (beta = 2 is a reflection).
         delta_net_rule (`str`, defaults to `"delta"`):
-            `"delta"` (erase and replace) or `"additive"` (purely additive linear attention `S_t = S_{t-1} + beta v
-            k^T`, the same layer with the erase term removed; a baseline).
+            `"delta"` (erase and replace) or `"write_only"` (purely additive linear attention `S_t = S_{t-1} + beta v
+            k^T`, the same layer with the erase term removed; a baseline). The old spelling `"additive"` is accepted
+            with a FutureWarning: `delta_mode="additive"` means something else (keep GPT-2's `x + F(x)`).
         delta_net_chunk_size (`int`, defaults to 64):
             Chunk length of the chunkwise-parallel delta rule used for training and prefill.
     """
@@ -93,6 +97,14 @@ class DeltaGPTConfig(GPT2Config):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        if self.delta_net_rule in DELTA_NET_RULE_ALIASES:
+            new = DELTA_NET_RULE_ALIASES[self.delta_net_rule]
+            warnings.warn(
+                f"delta_net_rule={self.delta_net_rule!r} is deprecated; use delta_net_rule={new!r} (same behaviour).",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.delta_net_rule = new
         if getattr(self, "auto_map", None) is None:
             self.auto_map = dict(AUTO_MAP)
         self.validate_delta()

@@ -5,17 +5,22 @@ Delta Operator `A = I - beta k k^T` and a synchronous rank-1 write: `X' = A X + 
 GPT-2's own attention and MLP (`GPT2Attention`, `GPT2MLP`) are the sublayers, so every attention backend,
 the `Conv1D` weights and GPT-2's parameter names carry over; only the Delta parameters are new.
 
-Self-contained Hub custom-code file: it imports only torch, transformers and `configuration_delta_gpt`.
+Reads top to bottom like `modeling_gpt2.py`: the Delta residual (the module around a sublayer), the DeltaNet token
+mixer and its cache, the block, the pretrained base, the model and its heads. The tensor math itself lives in
+`delta_ops.py`.
+
+Self-contained Hub custom-code file: it imports only torch, transformers and its two sibling files
+(`configuration_delta_gpt.py`, `delta_ops.py`), which `save_pretrained` copies next to the weights.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
 from transformers.generation import GenerationMixin
@@ -30,172 +35,20 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention
 from transformers.pytorch_utils import Conv1D
-from transformers.utils import can_return_tuple, logging
+from transformers.utils import can_return_tuple
 from transformers.utils.generic import maybe_autocast, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_delta_gpt import DeltaGPTConfig
-
-logger = logging.get_logger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The Delta math: the one place where the update rule lives.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def delta_update(
-    state: torch.Tensor,
-    k: torch.Tensor,
-    beta: torch.Tensor,
-    value: torch.Tensor,
-    branch_output: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Delta residual write (paper eq. 2.5): `X + beta k (v^T - k^T X)`, plus `F(x) 1^T` in additive mode.
-
-    Args:
-        state: residual state X, `[..., D]` (d_v = 1) or `[..., D, d_v]`.
-        k: unit-norm direction, `[..., D]`, float32.
-        beta: gate, `[...]`, float32.
-        value: written value v, `[..., d_v]`, float32.
-        branch_output: the sublayer output h `[..., D]` for the additive mode, None for the paper mode.
-
-    `k^T X` and the rank-1 coefficient are formed in k's dtype (float32 or wider); the result has the state's
-    dtype. When beta is exactly 0 the Delta term is exactly 0, so the additive mode returns `X + h` bit for bit.
-    """
-    expanded = state.dim() == k.dim() + 1
-    x = state if expanded else state.unsqueeze(-1)  # [..., D, d_v]
-    k_dot_x = torch.einsum("...d,...dv->...v", k, _at_least_float32(x))  # erase: the state's coordinate along k
-    coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
-    delta = (k.unsqueeze(-1) * coefficient.unsqueeze(-2)).to(state.dtype)  # rank-1: k (beta (v - k^T X))^T
-    new_state = x if branch_output is None else x + branch_output.unsqueeze(-1)
-    new_state = new_state + delta
-    return new_state if expanded else new_state.squeeze(-1)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the Delta math: float32 for half precision; float32 and float64 stay (float64 for gradcheck)."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """`x` in `_compute_dtype`: half precision upcast to float32, float32 and float64 unchanged."""
-    dtype = _compute_dtype(x.dtype)
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """k = h / sqrt(|h|^2 + eps^2) in float32: unit norm for any non-negligible h, and 0 (no-op) for h = 0."""
-    h = _at_least_float32(h)
-    return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
-
-
-def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """clamp(x, low, high) in the forward pass, identity gradient in the backward pass.
-
-    The gate opening `rho` uses it so that beta can be *exactly* 0 at initialisation (rho = 0) and still receive a
-    gradient there, and so that a gate pushed below 0 can come back when training wants it.
-    """
-    return x.clamp(low, high).detach() + (x - x.detach())  # value exactly clamp(x) (x - x == 0), gradient 1
-
-
-# The fused Delta update: the same math as `delta_update(state, unit_direction(h), ...)` in fewer passes over memory.
-# With k = r h and r = 1 / sqrt(|h|^2 + eps^2), the whole write is one broadcast multiply-add of h:
-#     X' = X + h s^T,   s = r beta (v - r h^T X)  (+ 1 in additive mode),   s in R^{d_v} per token,
-# so k is never materialised. The backward keeps only X and h (X is saved by the next LayerNorm or read anyway)
-# plus per-token scalars, and recomputes the rest:
-#     dX = g - h (r^2 beta h^T g)^T                       (= A^T g, A symmetric)
-#     dk = g c - X (beta k^T g),  c = beta (v - k^T X)
-#     dh = g s + X (-r beta k^T g) - h r^3 (h^T dk)         (chain rule through k = r h; g 1 is in g s)
-#     dbeta = (k^T g) . (v - k^T X),   dv = beta k^T g
-
-
-def _dot(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """h^T x over the hidden dim: `[..., 1]` for a vector x `[..., D]`, `[..., d_v]` for an expanded `[..., D, d_v]`."""
-    if x.dim() == h.dim():
-        return (h * x).sum(-1, keepdim=True)  # what vecdot does on CPU, in fewer dispatches
-    return (h.unsqueeze(-2) @ x).squeeze(-2)  # a batched matvec; cheaper than einsum's set-up when decoding
-
-
-def _outer(h: torch.Tensor, s: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h and s shaped so that `h * s` broadcasts to the rank-1 `h s^T` in the layout of `like`."""
-    if like.dim() == h.dim():
-        return h, s
-    return h.unsqueeze(-1), s.unsqueeze(-2)
-
-
-def _mix(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x s over the value channels: `[..., D]` (x * s for a vector state)."""
-    if x.dim() == s.dim():
-        return x * s
-    return torch.einsum("...dv,...v->...d", x, s)
-
-
-def _fused_delta_forward(
-    state: torch.Tensor, h: torch.Tensor, beta: torch.Tensor, value: torch.Tensor, eps: float, additive: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The new state, r `[..., 1]` and h^T X `[..., d_v]` (the last two are saved for the backward)."""
-    hf = _at_least_float32(h)
-    r = torch.rsqrt((hf * hf).sum(-1, keepdim=True) + eps * eps)
-    hx = _dot(hf, _at_least_float32(state))
-    scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
-    if additive:
-        scale = scale + 1.0  # exactly 1 when beta == 0, so X' == X + h bit for bit
-    out = torch.addcmul(state, *_outer(h, scale, state))
-    out_dtype = torch.promote_types(state.dtype, h.dtype) if additive and h.dtype != state.dtype else state.dtype
-    return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
-
-
-class _FusedDeltaUpdate(torch.autograd.Function):
-    """One autograd node per Delta block with a hand-derived backward (see the formulas above)."""
-
-    @staticmethod
-    def forward(ctx, state, h, beta, value, eps, additive):
-        out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive)
-        ctx.save_for_backward(state, h, beta, value, r, hx)
-        ctx.additive = additive
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        state, h, beta, value, r, hx = ctx.saved_tensors
-        g, hf = _at_least_float32(grad_out), _at_least_float32(h)
-        b = beta.unsqueeze(-1)
-        hg = _dot(hf, g)  # h^T g, so k^T g = r hg
-        residual = value - r * hx  # v - k^T X
-        b_kg = b * r * hg  # beta k^T g = dL/dv
-        grad_state = grad_h = None
-        if ctx.needs_input_grad[0]:
-            grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)).to(state.dtype)
-        if ctx.needs_input_grad[1]:
-            coef = b * residual
-            scale = r * coef + 1.0 if ctx.additive else r * coef
-            h_dot_dk = (hg * coef - hx * b_kg).sum(-1, keepdim=True)
-            x = _at_least_float32(state)
-            grad_h = _mix(g, scale) + _mix(x, -r * b_kg) - hf * (r * r * r * h_dot_dk)
-            grad_h = grad_h.to(h.dtype)
-        grad_beta = (r * hg * residual).sum(-1) if ctx.needs_input_grad[2] else None
-        grad_value = b_kg if ctx.needs_input_grad[3] else None
-        return grad_state, grad_h, grad_beta, grad_value, None, None
-
-
-def fused_delta_update(
-    state: torch.Tensor,
-    branch_output: torch.Tensor,
-    beta: torch.Tensor,
-    value: torch.Tensor,
-    eps: float,
-    additive: bool,
-) -> torch.Tensor:
-    """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None)`, fused.
-
-    Under autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain
-    function (no node, fewest ops: what generation runs).
-    """
-    tensors = (state, branch_output, beta, value)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _FusedDeltaUpdate.apply(*tensors, eps, additive)
-    return _fused_delta_forward(*tensors, eps, additive)[0]
+from .delta_ops import (
+    at_least_float32,
+    delta_rule_chunkwise,
+    delta_rule_recurrent,
+    delta_update,
+    fused_delta_update,
+    straight_through_clamp,
+    unit_direction,
+)
 
 
 class DeltaResidual(nn.Module):
@@ -226,6 +79,40 @@ class DeltaResidual(nn.Module):
         self.beta_open = nn.Parameter(torch.empty(()))
         self.v_proj = nn.Linear(hidden_size, value_channels)
 
+    @property
+    def gate_output(self) -> nn.Linear:
+        """The gate's last linear layer: its output is the logit g of beta = 2 sigmoid(g) rho."""
+        return self.beta_proj if isinstance(self.beta_proj, nn.Linear) else self.beta_proj[-1]
+
+    def opening(self) -> float:
+        """rho = clamp(beta_open, 0, 1); 0 means beta is exactly 0 for every input (the gate is closed)."""
+        return float(self.beta_open.detach().float().clamp(0.0, 1.0))
+
+    @torch.no_grad()
+    def beta_upper_bound(self, norm: nn.LayerNorm) -> float:
+        """The largest beta this block can produce over every input, given the LayerNorm that feeds its gate.
+
+        beta = 2 sigmoid(g(c)) rho with c = LayerNorm(x) = gamma * n + b_ln, n zero-mean with |n| < sqrt(D).
+        0.0 means beta is exactly 0 for every input (rho == 0, or a gate so negative that sigmoid underflows).
+        - linear gate g(c) = w.c + b: sup g = w.b_ln + b + sqrt(D) |center(w * gamma)| (the best zero-mean n
+          points along the centred w * gamma), so the bound is the least upper bound;
+        - mlp gate g(c) = w.tanh(W c) + b: |tanh| <= 1 gives g <= |w|_1 + b, an upper bound that may not be reached.
+        """
+        rho = self.opening()
+        if rho == 0.0:
+            return 0.0
+        out = self.gate_output
+        w, b = out.weight.float()[0], float(out.bias.float()[0])
+        if isinstance(self.beta_proj, nn.Linear):
+            scaled = w * norm.weight.float()
+            centred = scaled - scaled.mean()
+            g_max = float(w @ norm.bias.float()) + b + math.sqrt(w.numel()) * float(centred.norm())
+        else:
+            g_max = float(w.abs().sum()) + b
+        # Stable sigmoid in float64; it reaches 0.0 only below g = -745, where the model's float32 beta is 0 too.
+        sigmoid = 1.0 / (1.0 + math.exp(-g_max)) if g_max >= 0 else math.exp(g_max) / (1.0 + math.exp(g_max))
+        return 2.0 * rho * sigmoid
+
     def read(self, state: torch.Tensor) -> torch.Tensor:
         """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels."""
         if self.value_channels == 1:
@@ -239,7 +126,7 @@ class DeltaResidual(nn.Module):
         with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
             dtype = self.v_proj.weight.dtype
             c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
-            opening = _at_least_float32(self.beta_open)
+            opening = at_least_float32(self.beta_open)
             # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
             rho = (
                 straight_through_clamp(opening, 0.0, 1.0)
@@ -247,127 +134,14 @@ class DeltaResidual(nn.Module):
                 else opening.clamp(0.0, 1.0)
             )
             # 2 rho as rho + rho: same bits as 2.0 * rho without wrapping a Python scalar (a dispatch per block).
-            beta = torch.sigmoid(_at_least_float32(self.beta_proj(c)).squeeze(-1)) * (rho + rho)
-            value = _at_least_float32(self.v_proj(c))
+            beta = torch.sigmoid(at_least_float32(self.beta_proj(c)).squeeze(-1)) * (rho + rho)
+            value = at_least_float32(self.v_proj(c))
             if self.fused:
                 new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive)
             else:
                 k = unit_direction(branch_output, self.eps)
                 new_state = delta_update(state, k, beta, value, branch_output if self.additive else None)
         return new_state, beta
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# DeltaNet: the delta rule over time (paper §4.2), as a token mixer that can replace GPT-2's attention.
-#
-#   S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t,   S_t in R^{d_v x d_k} per head.
-#
-# DDL applies this rank-1 Delta Operator over depth; DeltaNet applies it over the sequence.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def delta_rule_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    *,
-    erase: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule one token at a time: the reference form, and the decoding step (constant work per token).
-
-    Args:
-        q, k: `[B, H, T, d_k]`. DeltaNet uses unit-norm k (then every step is a contraction for beta in [0, 2]);
-            the rule itself is computed exactly for any k.
-        v: `[B, H, T, d_v]`.
-        beta: `[B, H, T]`, in (0, 1), or (0, 2) for the negative-eigenvalue variant.
-        initial_state: `[B, H, d_v, d_k]`, or None for zeros.
-        erase: False drops the `- beta k k^T` term, i.e. purely additive linear attention `S_t = S_{t-1} + beta v k^T`.
-
-    Returns:
-        `o` `[B, H, T, d_v]` with `o_t = S_t q_t`, in v's dtype, and the final state `S_T` `[B, H, d_v, d_k]`
-        (float32 for half-precision inputs).
-    """
-    out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)  # the state accumulates over T
-    batch, heads, _, d_k = k.shape
-    d_v = v.shape[-1]
-    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
-    state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
-    outputs = []
-    # unbind, not k[:, :, t]: the backward of one unbind is one stack, that of T slices is T full-size zero tensors.
-    steps = zip(q.unsqueeze(-1).unbind(2), k.unsqueeze(-1).unbind(2), v.unsqueeze(-1).unbind(2), beta.unbind(2))
-    for q_t, k_t, v_t, beta_t in steps:  # q_t, k_t: [B, H, d_k, 1]; v_t: [B, H, d_v, 1]; beta_t: [B, H]
-        write = v_t - state @ k_t if erase else v_t  # v_t - S_{t-1} k_t: replace what the memory returns for k_t
-        state = state + beta_t[..., None, None] * write @ k_t.transpose(-1, -2)
-        outputs.append(state @ q_t)
-    if not outputs:
-        return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
-    return torch.cat(outputs, dim=-1).transpose(-1, -2).to(out_dtype), state
-
-
-def delta_rule_chunkwise(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    chunk_size: int = 64,
-    initial_state: torch.Tensor | None = None,
-    *,
-    erase: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule, chunkwise-parallel: the same inputs and outputs as `delta_rule_recurrent`, T/chunk_size steps.
-
-    Within a chunk that starts from state S_0, the chunk's rank-1 updates have a WY/UT form. With
-    `A = strict_lower(diag(beta) K K^T)`, the pseudo-values `U = (I + A)^{-1} diag(beta) V` and
-    `W = (I + A)^{-1} diag(beta) K` come from one unit-lower-triangular solve (for all chunks at once), and
-
-        U' = U - W S_0^T,    O = Q S_0^T + causal(Q K^T) U',    S_C = S_0 + U'^T K,
-
-    so only the cheap state hand-over between chunks is sequential. T is zero-padded to a multiple of the chunk
-    size; padded steps have beta = 0 and k = 0 and leave the state unchanged. `erase=False`: A = 0 and W = 0.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)  # the state accumulates over T
-    batch, heads, seq_len, d_k = k.shape
-    d_v = v.shape[-1]
-    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
-    state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
-    if seq_len == 0:
-        return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
-
-    chunk = min(chunk_size, seq_len)
-    padding = -seq_len % chunk
-    if padding:
-        q, k, v = (nn.functional.pad(x, (0, 0, 0, padding)) for x in (q, k, v))
-        beta = nn.functional.pad(beta, (0, padding))
-    n_chunks = (seq_len + padding) // chunk
-    q, k, v = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (q, k, v))
-    beta = beta.reshape(batch, heads, n_chunks, chunk, 1)
-
-    # Within chunks, all chunks at once: the UT transform and the causal scores.
-    k_beta, v_beta = k * beta, v * beta
-    if erase:
-        a_strict = (k_beta @ k.transpose(-1, -2)).tril(-1)  # A[r, i] = beta_r k_r . k_i for i < r
-        # unitriangular=True reads only the strict lower part, so this solves (I + A) [U W] = diag(beta) [V K].
-        u, w = torch.linalg.solve_triangular(
-            a_strict, torch.cat([v_beta, k_beta], dim=-1), upper=False, unitriangular=True
-        ).split([d_v, d_k], dim=-1)
-    else:
-        u, w = v_beta, None
-    scores = (q @ k.transpose(-1, -2)).tril()  # diagonal included: o_r reads the state after token r's write
-
-    # Across chunks: carry the state (unbind: see delta_rule_recurrent).
-    outputs = []
-    w_chunks = w.unbind(2) if w is not None else [None] * n_chunks
-    for q_n, k_n, u_n, w_n, scores_n in zip(q.unbind(2), k.unbind(2), u.unbind(2), w_chunks, scores.unbind(2)):
-        if w_n is not None:
-            u_n = u_n - w_n @ state.transpose(-1, -2)
-        outputs.append(q_n @ state.transpose(-1, -2) + scores_n @ u_n)
-        state = state + u_n.transpose(-1, -2) @ k_n
-    o = torch.stack(outputs, dim=2).reshape(batch, heads, n_chunks * chunk, d_v)[:, :, :seq_len]
-    return o.to(out_dtype), state
 
 
 class DeltaNetCacheLayer(LinearAttentionLayer):
@@ -541,6 +315,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         self.mlp = GPT2MLP(inner_dim, config)
         self.mlp_delta = DeltaResidual(config)
 
+    def delta_residuals(self) -> dict[str, tuple[nn.Module, nn.LayerNorm]]:
+        """{attribute name: (Delta residual, the LayerNorm that produces its sublayer and gate input)}."""
+        return {"attn_delta": (self.attn_delta, self.ln_1), "mlp_delta": (self.mlp_delta, self.ln_2)}
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -564,44 +342,27 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         return hidden_states
 
 
-@dataclass
-class DeltaGPTModelOutput(BaseModelOutputWithPastAndCrossAttentions):
-    r"""
-    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
-        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
-    """
-
-    betas: tuple[torch.FloatTensor, ...] | None = None
+def _with_betas(name: str, output_class: type) -> type:
+    """transformers' `output_class` plus one field, `betas`: with `output_betas=True`, one `[batch_size, seq_len]`
+    tensor per Delta block, two per layer (attention, then MLP). One definition for the four heads' outputs."""
+    namespace = {"__annotations__": {"betas": "tuple[torch.FloatTensor, ...] | None"}, "betas": None}
+    namespace.update(__module__=__name__, __qualname__=name, __doc__=_with_betas.__doc__)
+    return dataclass(type(name, (output_class,), namespace))
 
 
-@dataclass
-class DeltaGPTCausalLMOutput(CausalLMOutputWithCrossAttentions):
-    r"""
-    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
-        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
-    """
-
-    betas: tuple[torch.FloatTensor, ...] | None = None
+DeltaGPTModelOutput = _with_betas("DeltaGPTModelOutput", BaseModelOutputWithPastAndCrossAttentions)
+DeltaGPTCausalLMOutput = _with_betas("DeltaGPTCausalLMOutput", CausalLMOutputWithCrossAttentions)
+DeltaGPTSequenceClassifierOutput = _with_betas("DeltaGPTSequenceClassifierOutput", SequenceClassifierOutputWithPast)
+DeltaGPTTokenClassifierOutput = _with_betas("DeltaGPTTokenClassifierOutput", TokenClassifierOutput)
 
 
-@dataclass
-class DeltaGPTSequenceClassifierOutput(SequenceClassifierOutputWithPast):
-    r"""
-    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
-        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
-    """
+class DeltaSite(NamedTuple):
+    """Where a Delta residual sits: its module name, its short label, the module, and the LayerNorm feeding it."""
 
-    betas: tuple[torch.FloatTensor, ...] | None = None
-
-
-@dataclass
-class DeltaGPTTokenClassifierOutput(TokenClassifierOutput):
-    r"""
-    betas (`tuple(torch.FloatTensor)`, returned when `output_betas=True`):
-        One `[batch_size, sequence_length]` tensor per Delta block, two per layer (attention, then MLP).
-    """
-
-    betas: tuple[torch.FloatTensor, ...] | None = None
+    name: str
+    short_name: str
+    residual: nn.Module
+    norm: nn.LayerNorm
 
 
 class DeltaGPTPreTrainedModel(PreTrainedModel):
@@ -622,6 +383,40 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
     }
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
 
+    # The one place that says which modules and parameters are Delta (not in a GPT-2 checkpoint); conversion, export,
+    # DeltaTrainer, DeltaStatsCallback and `ddl-hf inspect` all ask these methods.
+
+    def delta_residuals(self, short_names: bool = False) -> dict[str, nn.Module]:
+        """Every Delta residual in forward order (per layer: attention, then MLP), by module name.
+
+        Names are relative to this model (`transformer.h.0.attn_delta` on a head model), or `L0.attn`, `L0.mlp`, ...
+        with `short_names=True`. A wrapper that a tool put in a residual's place (peft's `modules_to_save`) is
+        returned as it is: it runs, and forwards attribute access to, the active copy.
+        """
+        return {site.short_name if short_names else site.name: site.residual for site in self._delta_sites()}
+
+    def delta_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that a GPT-2 checkpoint does not have (gates, values, read vectors), by name."""
+        owners = tuple(f"{site.name}." for site in self._delta_sites())
+        read_out = f"{self._base_prefix()}read_out"
+        return {n: p for n, p in self.named_parameters() if n.startswith(owners) or n == read_out}
+
+    @torch.no_grad()
+    def beta_upper_bounds(self) -> dict[str, float]:
+        """The largest beta each Delta residual can produce over every input (see `DeltaResidual.beta_upper_bound`)."""
+        return {site.name: site.residual.beta_upper_bound(site.norm) for site in self._delta_sites()}
+
+    def _base_prefix(self) -> str:
+        return "" if self.base_model is self else f"{self.base_model_prefix}."
+
+    def _delta_sites(self) -> list[DeltaSite]:
+        prefix = self._base_prefix()
+        return [
+            DeltaSite(f"{prefix}h.{i}.{attr}", f"L{i}.{attr.removesuffix('_delta')}", residual, norm)
+            for i, block in enumerate(self.base_model.h)
+            for attr, (residual, norm) in block.delta_residuals().items()
+        ]
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2's initialisation, plus Delta residuals that start at exactly `config.delta_beta_init`."""
@@ -639,7 +434,7 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
             # beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0 so beta is the same for every
             # token; rho (the opening) and b are set so that beta == delta_beta_init exactly.
             beta0 = float(self.config.delta_beta_init)
-            gate_out = module.beta_proj if isinstance(module.beta_proj, nn.Linear) else module.beta_proj[-1]
+            gate_out = module.gate_output
             init.zeros_(gate_out.weight)
             if beta0 <= 1.0:
                 init.constant_(module.beta_open, beta0)
@@ -928,20 +723,7 @@ class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
 
         loss = None
         if labels is not None:
-            labels = labels.to(pooled_logits.device)
-            if self.config.problem_type is None:
-                if self.num_labels == 1:
-                    self.config.problem_type = "regression"
-                elif labels.dtype in (torch.long, torch.int):
-                    self.config.problem_type = "single_label_classification"
-                else:
-                    self.config.problem_type = "multi_label_classification"
-            if self.config.problem_type == "regression":
-                loss = MSELoss()(pooled_logits.squeeze(), labels.squeeze().to(pooled_logits.dtype))
-            elif self.config.problem_type == "single_label_classification":
-                loss = CrossEntropyLoss()(pooled_logits.view(-1, self.num_labels), labels.view(-1))
-            else:
-                loss = BCEWithLogitsLoss()(pooled_logits, labels.to(pooled_logits.dtype))
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
 
         return DeltaGPTSequenceClassifierOutput(
             loss=loss,
@@ -992,7 +774,7 @@ class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
 
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+            loss = self.loss_function(logits, labels, self.config, **kwargs)
 
         return DeltaGPTTokenClassifierOutput(
             loss=loss,

@@ -10,7 +10,7 @@ tokens are trained and scored. An additive memory (S += v k^T) returns the sum o
 key, so the stale values drown the answer; the delta rule first erases what the memory holds for k, then writes.
 
 Three DeltaGPT models of the same size, the same config except the token mixer, trained with `Trainer`:
-`delta_net` (delta rule), `additive` (the same DeltaNet layer with `delta_net_rule="additive"`: linear attention
+`delta_net` (delta rule), `additive` (the same DeltaNet layer with `delta_net_rule="write_only"`: linear attention
 without erase) and `attention` (GPT-2 softmax attention). Reported: answer accuracy on held-out sequences, and how
 often the prediction is a stale (overwritten) value of the queried key.
 """
@@ -36,7 +36,7 @@ from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM  # noqa: E402
 
 MIXERS = {
     "delta_net": {"token_mixer": "delta_net", "delta_net_rule": "delta"},
-    "additive": {"token_mixer": "delta_net", "delta_net_rule": "additive"},
+    "additive": {"token_mixer": "delta_net", "delta_net_rule": "write_only"},
     "attention": {"token_mixer": "attention"},
 }
 

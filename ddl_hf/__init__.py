@@ -26,6 +26,7 @@ from .conversion import (
     export_to_gpt2,
     push_converted_to_hub,
 )
+from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
     DeltaGPTForSequenceClassification,
@@ -35,7 +36,6 @@ from .modeling_delta_gpt import (
     DeltaNetAttention,
     DeltaNetCache,
     DeltaResidual,
-    delta_update,
 )
 
 __version__ = "0.1.0"
@@ -80,6 +80,8 @@ __all__ = [
     "beta_upper_bounds",
     "convert_checkpoint",
     "convert_gpt2",
+    "delta_rule_chunkwise",
+    "delta_rule_recurrent",
     "delta_update",
     "equivalence_report",
     "export_to_gpt2",

@@ -9,7 +9,7 @@ from conftest import open_gates, tiny_delta_config
 from hypothesis import given, settings
 
 import ddl_hf
-from ddl_hf.modeling_delta_gpt import delta_update
+from ddl_hf.delta_ops import delta_update
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 

@@ -10,8 +10,8 @@ from transformers.cache_utils import LinearAttentionLayer
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf.delta_ops import delta_rule_recurrent
 from ddl_hf.modeling_delta_gpt import DeltaNetAttention, DeltaNetCache
-from ddl_hf.ops import delta_rule_recurrent
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,7 +109,7 @@ def test_layer_matches_a_token_by_token_recomputation(negative_eigval):
 
 
 def test_additive_rule_is_the_same_layer_without_erase():
-    delta, additive = tiny_model(seed=3), tiny_model(seed=3, delta_net_rule="additive")
+    delta, additive = tiny_model(seed=3), tiny_model(seed=3, delta_net_rule="write_only")
     assert delta.state_dict().keys() == additive.state_dict().keys()
     additive.load_state_dict(delta.state_dict())
     ids = torch.randint(0, VOCAB, (1, 20))
@@ -123,7 +123,7 @@ def test_additive_rule_is_the_same_layer_without_erase():
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"delta_net_conv_size": 0}, {"delta_net_allow_negative_eigval": True}, {"delta_net_rule": "additive"}],
+    [{}, {"delta_net_conv_size": 0}, {"delta_net_allow_negative_eigval": True}, {"delta_net_rule": "write_only"}],
     ids=["conv4", "no_conv", "negative_eigval", "additive"],
 )
 def test_cached_forward_equals_full_forward(overrides):
@@ -155,7 +155,7 @@ def test_cache_memory_is_constant_in_context_length():
     assert cache_bytes(5) == cache_bytes(80)
 
 
-@pytest.mark.parametrize("rule", ["delta", "additive"])
+@pytest.mark.parametrize("rule", ["delta", "write_only"])
 def test_greedy_generate_with_cache_equals_without(rule):
     model = tiny_model(delta_net_rule=rule)
     prompt = torch.randint(0, VOCAB, (2, 9))
@@ -241,7 +241,7 @@ def test_trainer_steps_update_the_delta_net_weights(tmp_path):
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = tiny_model(delta_net_allow_negative_eigval=True, delta_net_conv_size=2, delta_net_rule="additive")
+    model = tiny_model(delta_net_allow_negative_eigval=True, delta_net_conv_size=2, delta_net_rule="write_only")
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, DeltaGPTForCausalLM)

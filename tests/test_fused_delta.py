@@ -7,13 +7,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
-from ddl_hf.modeling_delta_gpt import (
-    DeltaResidual,
-    delta_update,
-    fused_delta_update,
-    straight_through_clamp,
-    unit_direction,
-)
+from ddl_hf.delta_ops import delta_update, fused_delta_update, straight_through_clamp, unit_direction
+from ddl_hf.modeling_delta_gpt import DeltaResidual
 
 EPS = 1e-6
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
