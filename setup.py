@@ -1,14 +1,17 @@
 """ddl_hf: Deep Delta Learning (DeltaGPT) for 🤗 Transformers."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 here = Path(__file__).parent
+# The one version number lives in ddl_hf/__init__.py; read it as text (importing the package needs torch).
+version = re.search(r'^__version__ = "([^"]+)"', (here / "ddl_hf" / "__init__.py").read_text(), re.M).group(1)
 
 setup(
     name="ddl-hf",
-    version="0.1.0",
+    version=version,
     description="Deep Delta Learning for GPT-2 in Hugging Face Transformers: DeltaGPT models, conversion, workflows.",
     long_description=(here / "README.md").read_text(encoding="utf-8") if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",

@@ -14,43 +14,21 @@ from collections.abc import Sequence
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .unwrap import find_delta_model
+
 #: Bin edges of the three regimes: keep (identity-like), project, reflect.
 KEEP_BELOW, REFLECT_ABOVE = 0.5, 1.5
 STATS = ("mean", "keep", "project", "reflect")
 
 
-def is_delta_block(module: torch.nn.Module) -> bool:
-    """A Delta residual, from `ddl_hf` or from Hub custom code (a different class object with the same name)."""
-    return type(module).__name__ == "DeltaResidual"
-
-
 def delta_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(label, module) for every Delta block in forward order, labelled `L{layer}.attn` / `L{layer}.mlp`.
 
-    Works through wrappers (DDP, peft): it looks for `DeltaResidual` modules named `...h.{i}.{attn,mlp}_delta`.
-    peft's `modules_to_save` copies are skipped in favour of the module that the forward pass really runs.
+    Asks the model (`delta_residuals`) through any wrapper (DDP, peft). Under peft's `modules_to_save` the module
+    is the wrapper, whose forward runs (and whose attributes are) the active adapter's trainable copy.
     """
-    blocks = []
-    for name, module in model.named_modules():
-        if not is_delta_block(module):
-            continue
-        parts = name.split(".")
-        if "original_module" in parts or ("modules_to_save" in parts and not _peft_active(model, parts)):
-            continue
-        owner = next(p for p in reversed(parts) if p in ("attn_delta", "mlp_delta"))
-        layer = parts[parts.index(owner) - 1]
-        blocks.append((f"L{layer}.{owner.removesuffix('_delta')}", module))
-    return blocks
-
-
-def _peft_active(model: torch.nn.Module, parts: list[str]) -> bool:
-    """True when `parts` names the active adapter's copy inside a peft `modules_to_save` wrapper."""
-    i = parts.index("modules_to_save")
-    adapter = parts[i + 1] if i + 1 < len(parts) else None
-    wrapper = model.get_submodule(".".join(parts[:i]))
-    active = getattr(wrapper, "active_adapter", None)
-    active = active[0] if isinstance(active, (list, tuple)) else active
-    return adapter == active
+    inner = find_delta_model(model)
+    return list(inner.delta_residuals(short_names=True).items()) if inner is not None else []
 
 
 def beta_stats(betas: torch.Tensor) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .callbacks import KEEP_BELOW, REFLECT_ABOVE, beta_stats
+from .unwrap import find_delta_model
 
 
 @dataclass
@@ -76,7 +77,7 @@ def beta_map(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: s
     model.eval()
     outputs = model(input_ids.to(model.device), output_betas=True)
     betas = torch.stack([b[0].float().cpu() for b in outputs.betas])
-    labels = [f"L{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(betas.shape[0])]
+    labels = list(find_delta_model(model).delta_residuals(short_names=True))  # the order of outputs.betas
     tokens = [tokenizer.decode([t]) for t in input_ids[0].tolist()]
     return BetaMap(tokens=tokens, labels=labels, betas=betas)
 
@@ -88,7 +89,7 @@ def load_model_and_tokenizer(name: str) -> tuple[PreTrainedModel, PreTrainedToke
     import ddl_hf  # noqa: F401  (registers DeltaGPT with the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(name)
-    if not hasattr(model.config, "delta_mode"):
+    if find_delta_model(model) is None:
         raise ValueError(f"{name} is a {type(model).__name__}, not a DeltaGPT model; convert it first.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)

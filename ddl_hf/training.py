@@ -33,15 +33,14 @@ from transformers import (
     TrainingArguments,
     default_data_collator,
 )
+from transformers.utils import logging
 
 from .corpus import gpt2_tokenizer, load_text, tokenize_and_chunk
+from .unwrap import find_delta_model
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("DDL_HF_CACHE", Path.home() / ".cache" / "ddl_hf"))
-
-
-def is_delta_parameter(name: str) -> bool:
-    """True for the parameters DeltaGPT adds to GPT-2 (gates, values, read vectors), under any wrapper prefix."""
-    return "attn_delta." in name or "mlp_delta." in name or name.endswith("read_out") or ".read_out." in name
 
 
 class DeltaTrainer(Trainer):
@@ -61,17 +60,19 @@ class DeltaTrainer(Trainer):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            inner = find_delta_model(opt_model)
+            delta = {id(p) for p in inner.delta_parameters().values()} if inner is not None else set()
             groups = [
                 {
-                    "params": [p for n, p in named if n in decay and not is_delta_parameter(n)],
+                    "params": [p for n, p in named if n in decay and id(p) not in delta],
                     "weight_decay": self.args.weight_decay,
                 },
                 {
-                    "params": [p for n, p in named if n not in decay and not is_delta_parameter(n)],
+                    "params": [p for n, p in named if n not in decay and id(p) not in delta],
                     "weight_decay": 0.0,
                 },
                 {
-                    "params": [p for n, p in named if is_delta_parameter(n)],
+                    "params": [p for _, p in named if id(p) in delta],
                     "weight_decay": 0.0,
                     "lr": self.args.learning_rate * self.delta_lr_scale,
                 },
@@ -219,7 +220,7 @@ def base_gpt2(
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        print(f"Pretraining a small GPT-2 ({spec.n_layer} layers x {spec.n_embd}) on the bundled corpus...")
+        logger.info(f"Pretraining a small GPT-2 ({spec.n_layer} layers x {spec.n_embd}) on the bundled corpus")
         pretrain_small_gpt2(spec, scratch, tokenizer)
         if target.exists():  # another process won the race: use its copy
             shutil.rmtree(scratch)
@@ -312,7 +313,6 @@ __all__ = [
     "add_base_arguments",
     "base_gpt2",
     "finetune",
-    "is_delta_parameter",
     "pretrain_small_gpt2",
     "training_arguments",
     "use_causal_lm_loss_accounting",
