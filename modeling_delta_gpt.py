@@ -492,6 +492,9 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         r"""
         Same inputs as `GPT2Model.forward`. `output_betas=True` returns `betas`: one `[batch, seq_len]` tensor per
         Delta block. With `delta_value_channels > 1`, `hidden_states` holds the expanded states `[.., D, d_v]`.
+
+        A copy of `GPT2Model.forward` (embeddings, mask, blocks, `ln_f`) except for three Delta steps: the cache
+        of a DeltaNet mixer, the expansion of the embedding over the value channels, and the read-out before `ln_f`.
         """
         for flag in ("output_attentions", "output_hidden_states", "output_betas"):
             kwargs.pop(flag, None)
@@ -673,7 +676,8 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
 
 
 class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
-    """DeltaGPT with a linear head on the last non-padding token, like `GPT2ForSequenceClassification`."""
+    """DeltaGPT with a linear head on the last non-padding token; its forward is `GPT2ForSequenceClassification`'s
+    (pooling and loss) on DeltaGPT's hidden states."""
 
     def __init__(self, config: DeltaGPTConfig):
         super().__init__(config)
