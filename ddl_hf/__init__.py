@@ -37,6 +37,7 @@ from .modeling_delta_gpt import (
     DeltaNetCache,
     DeltaResidual,
 )
+from .peft_targets import register_peft_targets
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ DeltaGPTConfig.register_for_auto_class("AutoConfig")
 for _auto_class, _model_class in _AUTO_CLASSES:
     _auto_class.register(DeltaGPTConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
+register_peft_targets(DeltaGPTConfig.model_type)
 
 __all__ = [
     "ConversionError",
