@@ -478,16 +478,16 @@ def test_sigterm_mid_write_leaves_nothing(source_dir, tmp_path, capsys, monkeypa
 
 def test_failed_verification_writes_nothing(source_dir, tmp_path, capsys, monkeypatch):
     """Should a conversion ever not reproduce the source, the output is not written."""
-    import ddl_hf.conversion as conversion
+    import ddl_hf.conversion.hub as conversion_hub  # where convert_checkpoint looks equivalence_report up
 
-    real_report = conversion.equivalence_report
+    real_report = conversion_hub.equivalence_report
 
     def corrupted(*args, **kwargs):
         report = real_report(*args, **kwargs)
         report.max_abs_logit_diff = 0.5
         return report
 
-    monkeypatch.setattr(conversion, "equivalence_report", corrupted)
+    monkeypatch.setattr(conversion_hub, "equivalence_report", corrupted)
     out = tmp_path / "out"
     code = run_convert("--source", str(source_dir), "--output", str(out))
     assert_refused(capsys, code, out, "Verification failed", "5.000e-01")
