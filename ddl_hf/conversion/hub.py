@@ -184,19 +184,16 @@ def convert_checkpoint(
     )
     card = {"base_model": base_model, "command": command, "load_id": hub_repo_id or os.fspath(output)}
 
-    stages = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
-    try:
-        with _progress_bars(progress), atomic_directory(output, force=force) as tmp:
+    with _progress_bars(progress), atomic_directory(output, force=force) as tmp:
+        bar = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
+        with contextlib.closing(bar) as stages:
             report = _write_verified(
                 source, source_name, tmp, output, dtype, overrides, max_shard_size, tokenizer, card, stages
             )
-            stages.set_postfix_str("moving into place")
-        stages.update()
-        stages.set_postfix_str("done")
-        logger.info(f"Wrote the converted model to {output}.")
-        return report
-    finally:
-        stages.close()
+            stages.update()
+            stages.set_postfix_str("done")
+    logger.info(f"Wrote the converted model to {output}.")
+    return report
 
 
 def _write_verified(
