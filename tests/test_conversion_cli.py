@@ -556,3 +556,16 @@ def test_atomic_directory_refuses_a_non_empty_output_without_force(tmp_path):
     with atomic_directory(out, force=True) as tmp:
         (tmp / "new.txt").write_text("new")
     assert listing(out) == {"new.txt"} and listing(tmp_path) == {"out"}
+
+
+def test_atomic_directory_turns_sigterm_into_a_clean_interrupt(tmp_path):
+    """API callers (not only the CLI) get `kill PID` cleaned up like Ctrl-C, and the old handler back."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt), atomic_directory(out) as tmp:
+        (tmp / "half.bin").write_bytes(b"\0" * 100)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert listing(tmp_path) == set()
+    assert signal.getsignal(signal.SIGTERM) == handler
