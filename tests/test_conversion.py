@@ -190,6 +190,16 @@ def test_bad_sources_and_overrides_raise_clear_errors():
         ddl_hf.convert_gpt2(source, delta_beta_init=3.0)
 
 
+def test_unknown_field_error_lists_every_delta_field():
+    """The list of valid fields is read off DeltaGPTConfig, so new Delta fields (token mixer, DeltaNet) appear."""
+    with pytest.raises(ConversionError, match="Unknown DeltaGPTConfig field") as error:
+        ddl_hf.convert_gpt2(trained_gpt2(), delta_bogus=1)
+    message = str(error.value)
+    assert "'delta_bogus'" in message
+    for field in ("token_mixer", "delta_net_rule", "delta_net_chunk_size", "delta_mode", "delta_eps"):
+        assert field in message
+
+
 def test_tokenizer_fixture_is_byte_level():
     """The test texts are turned into ids by their UTF-8 bytes; the GPT-2 tokenizer the CLI copies agrees."""
     assert byte_tokenizer()(SAMPLE_TEXT).input_ids[:128] == HELD_OUT[0].tolist()

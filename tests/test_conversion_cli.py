@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 import ddl_hf
 from ddl_hf import cli
-from ddl_hf.conversion import SAMPLE_TEXT
+from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -478,16 +478,16 @@ def test_sigterm_mid_write_leaves_nothing(source_dir, tmp_path, capsys, monkeypa
 
 def test_failed_verification_writes_nothing(source_dir, tmp_path, capsys, monkeypatch):
     """Should a conversion ever not reproduce the source, the output is not written."""
-    import ddl_hf.conversion as conversion
+    import ddl_hf.conversion.hub as conversion_hub  # where convert_checkpoint looks equivalence_report up
 
-    real_report = conversion.equivalence_report
+    real_report = conversion_hub.equivalence_report
 
     def corrupted(*args, **kwargs):
         report = real_report(*args, **kwargs)
         report.max_abs_logit_diff = 0.5
         return report
 
-    monkeypatch.setattr(conversion, "equivalence_report", corrupted)
+    monkeypatch.setattr(conversion_hub, "equivalence_report", corrupted)
     out = tmp_path / "out"
     code = run_convert("--source", str(source_dir), "--output", str(out))
     assert_refused(capsys, code, out, "Verification failed", "5.000e-01")
@@ -508,3 +508,64 @@ def test_failed_final_rename_restores_the_old_output(source_dir, tmp_path, monke
     monkeypatch.setattr(os, "replace", flaky_replace)
     assert run_convert("--source", str(source_dir), "--output", str(out), "--force") == 1
     assert listing(out) == {"keep.txt"} and listing(tmp_path) == {"out"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# atomic_directory on its own
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_atomic_directory_renames_into_place_on_success(tmp_path):
+    out = tmp_path / "nested" / "out"
+    with atomic_directory(out) as tmp:
+        assert tmp.parent == out.parent and tmp.name.startswith(".out.tmp-") and listing(tmp) == set()
+        assert not out.exists()
+        (tmp / "a.txt").write_text("new")
+    assert listing(out) == {"a.txt"} and (out / "a.txt").read_text() == "new"
+    assert listing(out.parent) == {"out"}  # no temporary directory left beside it
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_atomic_directory_leaves_nothing_on_an_exception(tmp_path, error):
+    out = tmp_path / "nested" / "out"
+    with pytest.raises(type(error)), atomic_directory(out) as tmp:
+        (tmp / "half.bin").write_bytes(b"\0" * 100)
+        raise error
+    assert listing(tmp_path) == set()  # neither output, temporary directory nor the parent it created
+
+
+def test_atomic_directory_exception_keeps_an_existing_output(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(RuntimeError), atomic_directory(out, force=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        raise RuntimeError("boom")
+    assert listing(out) == {"keep.txt"} and listing(tmp_path) == {"out"}
+
+
+def test_atomic_directory_refuses_a_non_empty_output_without_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    entered = False
+    with pytest.raises(ConversionError, match=r"not empty.*--force"), atomic_directory(out):
+        entered = True
+    assert not entered
+    assert listing(out) == {"keep.txt"} and listing(tmp_path) == {"out"}
+    with atomic_directory(out, force=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert listing(out) == {"new.txt"} and listing(tmp_path) == {"out"}
+
+
+def test_atomic_directory_turns_sigterm_into_a_clean_interrupt(tmp_path):
+    """API callers (not only the CLI) get `kill PID` cleaned up like Ctrl-C, and the old handler back."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt), atomic_directory(out) as tmp:
+        (tmp / "half.bin").write_bytes(b"\0" * 100)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert listing(tmp_path) == set()
+    assert signal.getsignal(signal.SIGTERM) == handler

@@ -1,0 +1,41 @@
+"""Turn a GPT-2 checkpoint into a DeltaGPT that starts equivalent to it, and back.
+
+Three layers, each usable on its own:
+
+* `convert_gpt2(source, **overrides)` (`converting`): in memory, GPT-2 weights -> `DeltaGPTForCausalLM` (Delta
+  gates at `delta_beta_init`, default beta = 0 exactly, so the additive model computes the source's function).
+* `convert_checkpoint(source, output, ...)` (`hub`): the whole job behind the CLI (`cli`). Writes a complete Hub
+  repository (config with `auto_map`, the custom-code files, safetensors, tokenizer, generation config, model
+  card) into an `atomic_directory` (`atomic`), verifies the written files against the source (`verifying`), and
+  only then renames the directory into place, so a failure at any point leaves no partial output.
+* `export_to_gpt2(model)` (`exporting`): the exact way back, allowed only when every Delta gate is closed.
+"""
+
+from .atomic import atomic_directory
+from .cli import add_cli, run_cli
+from .converting import DTYPES, convert_gpt2, load_gpt2
+from .errors import ConversionError
+from .exporting import beta_upper_bounds, export_to_gpt2
+from .hub import DEFAULT_MAX_SHARD_SIZE, convert_checkpoint, model_card, push_converted_to_hub
+from .verifying import EQUIVALENCE_TOLERANCE, SAMPLE_TEXT, EquivalenceReport, equivalence_report, sample_input_ids
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "DTYPES",
+    "EQUIVALENCE_TOLERANCE",
+    "SAMPLE_TEXT",
+    "ConversionError",
+    "EquivalenceReport",
+    "add_cli",
+    "atomic_directory",
+    "beta_upper_bounds",
+    "convert_checkpoint",
+    "convert_gpt2",
+    "equivalence_report",
+    "export_to_gpt2",
+    "load_gpt2",
+    "model_card",
+    "push_converted_to_hub",
+    "run_cli",
+    "sample_input_ids",
+]

@@ -1,0 +1,115 @@
+"""`ddl-hf convert` (also the console command `convert-gpt2-to-delta-gpt`): arguments in, report or one error out.
+
+The only place in the conversion package that prints; the choices it offers are read off the config's constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import sys
+from pathlib import Path
+
+from ..configuration_delta_gpt import DELTA_GATES, DELTA_MODES
+from .converting import DTYPES
+from .errors import ConversionError
+from .hub import DEFAULT_MAX_SHARD_SIZE, convert_checkpoint, push_converted_to_hub
+
+DELTA_MODE_HELP = (
+    "additive (default): keep GPT-2's x + F(x) and add the Delta term, so beta = 0 is exactly GPT-2; "
+    "paper: the paper's eq. 2.5, where beta = 0 makes every block the identity"
+)
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `convert` to the `ddl-hf` command line (also the console command `convert-gpt2-to-delta-gpt`)."""
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a GPT-2 checkpoint into a DeltaGPT Hub repository",
+        description="Convert a GPT-2 checkpoint (Hub id or directory) into a DeltaGPT that starts equivalent to it, "
+        "write a complete Hub repository to OUT, and print a verification report.",
+    )
+    parser.add_argument("--source", required=True, help="Hub id (gpt2, gpt2-medium, ...) or local GPT-2 directory")
+    parser.add_argument("--output", required=True, help="output directory (a complete Hub repository)")
+    parser.add_argument("--delta-mode", choices=DELTA_MODES, default=DELTA_MODES[0], help=DELTA_MODE_HELP)
+    parser.add_argument("--value-channels", type=int, default=1, help="d_v, value channels of the state (default 1)")
+    parser.add_argument("--beta-init", type=float, default=0.0, help="initial beta in [0, 2] (default 0: exact)")
+    parser.add_argument("--gate", choices=DELTA_GATES, default=DELTA_GATES[0], help="gate of each Delta block")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto = the source's dtype")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="safetensors shard size (2GB)")
+    parser.add_argument("--base-model", help="Hub id written as base_model in the model card (default: --source)")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub repository afterwards")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create a private repository")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run `convert` from parsed arguments; print the report, or one clear error line. Returns the exit code.
+
+    `kill PID` is handled like Ctrl-C (`convert_checkpoint` turns SIGTERM into KeyboardInterrupt while it writes).
+    """
+    command = (
+        f"convert-gpt2-to-delta-gpt --source {args.source} --output OUT --delta-mode {args.delta_mode} "
+        f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
+        + (f" --gate {args.gate}" if args.gate != DELTA_GATES[0] else "")
+    )
+    if args.push_to_hub and not args.base_model and os.path.exists(args.source):
+        print(
+            f"note: the model card's base_model will be the local path {args.source}; pass --base-model HUB_ID "
+            "to link the Hub repository to the model it was converted from.",
+            file=sys.stderr,
+        )
+    try:
+        report = convert_checkpoint(
+            args.source,
+            args.output,
+            delta_mode=args.delta_mode,
+            value_channels=args.value_channels,
+            beta_init=args.beta_init,
+            delta_gate=args.gate,
+            dtype=args.dtype,
+            force=args.force,
+            max_shard_size=args.max_shard_size,
+            base_model=args.base_model,
+            progress=not args.quiet,
+            command=command,
+            hub_repo_id=args.push_to_hub,
+        )
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; nothing was written to {args.output}.", file=sys.stderr)
+        return 130
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            print(
+                f"error: disk full while writing the conversion of {args.source} ({error}). Nothing was written to "
+                f"{args.output}; free space on that filesystem or choose another --output.",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: cannot write {args.output}: {error}. Nothing was written.", file=sys.stderr)
+        return 1
+    print(report)
+    files = sorted(p.name for p in Path(args.output).iterdir())
+    print(f"Wrote {args.output}: {', '.join(files)}")
+    if args.push_to_hub:
+        try:
+            url = push_converted_to_hub(args.output, args.push_to_hub, private=args.private or None)
+        except Exception as error:  # network, auth, permissions: the local output is complete either way
+            print(
+                f"error: upload to {args.push_to_hub} failed: {error}. {args.output} is complete; retry with "
+                f"`hf upload {args.push_to_hub} {args.output}` after `hf auth login`.",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"Uploaded to {url}")
+    return 0
+
+
+__all__ = ["add_cli", "run_cli"]

@@ -1,0 +1,220 @@
+"""GPT-2 in, DeltaGPT out, in memory: load and check the source, then map its state dict onto a DeltaGPT.
+
+Everything here refuses rather than guesses: a conversion that claims to start from the source's function must not
+silently initialise, drop or reshape a weight. Which parameters are new (the Delta ones) is asked of the model
+(`delta_parameters()`), and which config fields are Delta is read off `DeltaGPTConfig` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import torch
+from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+from ..configuration_delta_gpt import DeltaGPTConfig
+from ..modeling_delta_gpt import DeltaGPTForCausalLM
+from .errors import ConversionError
+
+logger = hf_logging.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Config keys that describe a saved checkpoint rather than the architecture: never carried across model types.
+CHECKPOINT_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+
+
+def config_field_names() -> set[str]:
+    """Every field a DeltaGPTConfig accepts (GPT-2's and the Delta ones)."""
+    return {f.name for f in dataclasses.fields(DeltaGPTConfig)}
+
+
+def delta_config_fields() -> list[str]:
+    """The fields DeltaGPTConfig adds to GPT2Config (every `delta_*` field and `token_mixer`), in declaration order."""
+    gpt2_fields = {f.name for f in dataclasses.fields(GPT2Config)}
+    return [f.name for f in dataclasses.fields(DeltaGPTConfig) if f.name not in gpt2_fields]
+
+
+def _check_gpt2_config(config, source_name: str) -> None:
+    """Refuse configs DeltaGPT cannot reproduce, naming the flag and what to do instead."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == DeltaGPTConfig.model_type:
+        raise ConversionError(
+            f"{source_name} is already a DeltaGPT (model_type 'delta_gpt'); load it with "
+            "AutoModelForCausalLM.from_pretrained instead of converting it again."
+        )
+    if model_type != "gpt2":
+        raise ConversionError(
+            f"{source_name} is not a GPT-2 checkpoint: its config has model_type {model_type!r} "
+            f"({type(config).__name__}). Only GPT-2 models (model_type 'gpt2': gpt2, gpt2-medium, gpt2-large, "
+            "gpt2-xl, distilgpt2 and fine-tunes of them) can be converted."
+        )
+    if getattr(config, "add_cross_attention", False):
+        raise ConversionError(
+            f"{source_name} is a GPT-2 with cross-attention (add_cross_attention=True, the decoder of an "
+            "encoder-decoder model). DeltaGPT is decoder-only; convert a decoder-only GPT-2 instead."
+        )
+    if getattr(config, "quantization_config", None):
+        raise ConversionError(
+            f"{source_name} is quantized ({type(config.quantization_config).__name__}); the Delta conversion needs "
+            "the full-precision weights. Convert the original float checkpoint and quantize the result afterwards."
+        )
+    if getattr(config, "pruned_heads", None):
+        raise ConversionError(
+            f"{source_name} has pruned attention heads ({config.pruned_heads}), which DeltaGPT does not support. "
+            "Convert the unpruned checkpoint."
+        )
+
+
+def _delta_config(gpt2_config: GPT2Config, overrides: dict) -> DeltaGPTConfig:
+    valid = config_field_names()
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ConversionError(
+            f"Unknown DeltaGPTConfig field(s) {unknown}. Valid Delta fields: {', '.join(delta_config_fields())} "
+            "(and any GPT-2 config field)."
+        )
+    fields = gpt2_config.to_dict()
+    for key in CHECKPOINT_KEYS:
+        fields.pop(key, None)
+    fields = {key: value for key, value in fields.items() if key in valid}
+    try:
+        config = DeltaGPTConfig(**{**fields, **overrides})
+    except ValueError as error:
+        raise ConversionError(f"Invalid DeltaGPT setting: {error}") from error
+    config._attn_implementation = gpt2_config._attn_implementation
+    return config
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return "auto" if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise ConversionError(f"Unsupported dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load report: the Delta parameters are *expected* to be missing from GPT-2."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _describe_mismatch(entry) -> str:
+    """transformers reports (name, shape in the checkpoint, shape the config asks for)."""
+    if isinstance(entry, tuple) and len(entry) == 3:
+        name, found, expected = entry
+        return f"{name} {list(found)} in the checkpoint, {list(expected)} for config.json"
+    return str(entry)
+
+
+def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> GPT2LMHeadModel:
+    """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
+
+    `from_pretrained` on its own would silently initialise missing weights and drop unexpected ones; a conversion
+    that claims equivalence must instead refuse and list them.
+    """
+    name = os.fspath(source)
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ConversionError(
+            f"Cannot read a model config from {name!r}: {error}\nPass a Hub id such as 'gpt2' (this needs network "
+            "access or a copy in the Hugging Face cache) or a local directory containing config.json."
+        ) from error
+    _check_gpt2_config(config, repr(name))
+    try:
+        with _quiet_transformers():
+            # ignore_mismatched_sizes: report wrongly shaped weights by name below instead of a bare error.
+            model, info = GPT2LMHeadModel.from_pretrained(
+                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True
+            )
+    except (OSError, RuntimeError, ValueError) as error:
+        raise ConversionError(
+            f"Cannot load GPT-2 weights from {name!r}: {error}\n"
+            "Check that the directory holds model.safetensors (or pytorch_model.bin) matching its config.json."
+        ) from error
+    problems = []
+    if info["missing_keys"]:
+        problems.append(f"missing weights: {', '.join(sorted(info['missing_keys']))}")
+    if info["unexpected_keys"]:
+        problems.append(f"unexpected weights: {', '.join(sorted(info['unexpected_keys']))}")
+    if info["mismatched_keys"]:
+        shapes = [_describe_mismatch(entry) for entry in sorted(info["mismatched_keys"], key=str)]
+        problems.append(f"weights with the wrong shape: {', '.join(shapes)}")
+    if problems:
+        raise ConversionError(
+            f"{name!r} does not hold exactly the weights of a GPT2LMHeadModel for its config: "
+            + "; ".join(problems)
+            + ". Converting it would not start from the source's function. Re-save the source with "
+            "GPT2LMHeadModel.save_pretrained (or fix config.json so it matches the weights)."
+        )
+    logger.info(f"Loaded GPT-2 {name!r} ({model.config.n_layer} layers, dtype {model.dtype}).")
+    return model.eval()
+
+
+def convert_gpt2(source: str | os.PathLike | GPT2LMHeadModel, **config_overrides) -> DeltaGPTForCausalLM:
+    """Build a DeltaGPTForCausalLM carrying the weights of a GPT-2 language model.
+
+    Args:
+        source: a Hub id (e.g. "gpt2"), a local directory, or an in-memory `GPT2LMHeadModel`.
+        **config_overrides: DeltaGPTConfig fields, e.g. `delta_mode="paper"`, `delta_value_channels=4`;
+            `dtype="bfloat16"` loads a Hub id or directory in that precision.
+
+    Every GPT-2 weight is copied under its own name (an in-memory source is cloned, never shared); only the Delta
+    parameters are new, initialised so that beta == `delta_beta_init` exactly (default 0.0: in the additive mode the
+    result computes the source's function). Raises `ConversionError` for anything that is not exactly GPT-2.
+    """
+    return _convert(source, config_overrides, share_weights=False)
+
+
+def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTForCausalLM:
+    """convert_gpt2; `share_weights=True` lets the result use the source's tensors (saves a copy of the weights
+    when the caller owns the source and will not train either model, as `convert_checkpoint` does)."""
+    overrides = dict(config_overrides)
+    if isinstance(source, GPT2LMHeadModel):
+        _check_gpt2_config(source.config, f"The {type(source).__name__} passed in")
+        gpt2, dtype = source, overrides.pop("dtype", None)
+        dtype = gpt2.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
+        state_dict = gpt2.state_dict()
+        if not share_weights:
+            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
+    elif isinstance(source, (str, os.PathLike)):
+        gpt2 = load_gpt2(source, overrides.pop("dtype", "auto"))
+        dtype, state_dict = gpt2.dtype, gpt2.state_dict()
+    else:
+        if hasattr(source, "config"):
+            _check_gpt2_config(source.config, f"The {type(source).__name__} passed in")
+        raise ConversionError(
+            f"source must be a Hub id, a directory or a GPT2LMHeadModel, not a {type(source).__name__}. "
+            "Load the checkpoint with GPT2LMHeadModel.from_pretrained (or pass its path) instead."
+        )
+    config = _delta_config(gpt2.config, overrides)
+
+    # from_pretrained with a state dict builds the model on the meta device and initialises only what the state
+    # dict lacks (the Delta parameters, via _init_weights), so this is fast even for gpt2-xl.
+    with _quiet_transformers():
+        model, info = DeltaGPTForCausalLM.from_pretrained(
+            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
+        )
+    really_missing = sorted(set(info["missing_keys"]) - set(model.delta_parameters()))
+    if really_missing or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise ConversionError(
+            "GPT-2 weights do not match the DeltaGPT layout: "
+            f"missing {really_missing}, unexpected {sorted(info['unexpected_keys'])}, "
+            f"wrong shape {sorted(str(k) for k in info['mismatched_keys'])}."
+        )
+    model.generation_config = copy.deepcopy(gpt2.generation_config)
+    return model.train(gpt2.training)
+
+
+__all__ = ["DTYPES", "convert_gpt2", "load_gpt2"]

@@ -1,0 +1,273 @@
+"""The whole job behind `ddl-hf convert`: a complete, verified Hub repository on disk, and its upload.
+
+`convert_checkpoint` converts, writes config (with `auto_map`), the custom-code files, safetensors, tokenizer,
+generation config and model card into an `atomic_directory`, reloads what it wrote and checks it against the
+source, so a failure at any point leaves no partial output. `push_converted_to_hub` uploads that folder as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+from ..configuration_delta_gpt import DeltaGPTConfig
+from ..modeling_delta_gpt import DeltaGPTForCausalLM
+from .atomic import atomic_directory
+from .converting import _convert, _quiet_transformers, _resolve_dtype, load_gpt2
+from .errors import ConversionError
+from .verifying import EQUIVALENCE_TOLERANCE, EquivalenceReport, equivalence_report, sample_input_ids
+
+logger = hf_logging.get_logger(__name__)
+
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+# Files that make the output directory a tokenizer repository as well (any one of them is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
+
+
+def model_card(
+    base_model: str,
+    report: EquivalenceReport | None,
+    config: DeltaGPTConfig,
+    command: str | None = None,
+    load_id: str = "THIS_REPO",
+) -> ModelCard:
+    """A model card (README.md) saying what the model is, how it was made, how it checks out, and how to load it.
+
+    `load_id` is the Hub id (or path) shown in the loading examples.
+    """
+    card_data = ModelCardData(
+        library_name="transformers",
+        base_model=base_model,
+        pipeline_tag="text-generation",
+        tags=["delta-gpt", "deep-delta-learning", "gpt2", "text-generation", "custom_code"],
+    )
+    how = command or (
+        f"ddl_hf.convert_checkpoint({base_model!r}, OUT, delta_mode={config.delta_mode!r}, "
+        f"value_channels={config.delta_value_channels}, beta_init={config.delta_beta_init})"
+    )
+    exact = config.delta_mode == "additive" and config.delta_beta_init == 0.0
+    body = f"""
+# DeltaGPT converted from `{base_model}`
+
+A GPT-2 ({config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads) whose every attention and MLP residual
+is a Deep Delta Learning block (Zhang, Liu, Wang, Gu, *Deep Delta Learning*, arXiv 2601.00417):
+`X' = X [+ F(x) 1^T] + beta k (v^T - k^T X)` with a learned gate beta in [0, 2].
+
+| setting | value |
+|---|---|
+| delta_mode | `{config.delta_mode}` |
+| value channels d_v | {config.delta_value_channels} |
+| initial beta | {config.delta_beta_init:g} |
+| gate | `{config.delta_gate}` |
+
+{
+        "With these settings the model computes exactly the function of the source GPT-2 until fine-tuning opens "
+        "the gates."
+        if exact
+        else "These settings change the function of the source GPT-2 at step 0; see the perplexity change below."
+    }
+
+## How it was made
+
+Converted with the `ddl_hf` package:
+
+```bash
+{how}
+```
+
+All GPT-2 weights are copied under their own names; the Delta parameters are new. The conversion was verified
+against the source on held-out text before the files were written:
+
+```
+{report if report is not None else "(not verified)"}
+```
+
+## How to load
+
+With `ddl_hf` installed (`pip install ddl-hf`), no remote code is needed:
+
+```python
+import ddl_hf  # registers DeltaGPT with the Auto classes
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{load_id}")
+tokenizer = AutoTokenizer.from_pretrained("{load_id}")
+```
+
+With only `torch` and `transformers`, the two custom-code files in this repository are used:
+
+```python
+model = AutoModelForCausalLM.from_pretrained("{load_id}", trust_remote_code=True)
+```
+
+`model(..., output_betas=True).betas` returns the gate of every Delta block. While every gate is closed,
+`ddl_hf.export_to_gpt2(model)` turns the model back into a plain `GPT2LMHeadModel`.
+"""
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+
+
+def _load_tokenizer(source: str | os.PathLike):
+    """The source's tokenizer, or None when the source has none (weights-only directories)."""
+    name = os.fspath(source)
+    if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in TOKENIZER_FILES):
+        logger.info(f"{name} has no tokenizer files; the output will hold the model only.")
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError) as error:
+        if os.path.isdir(name):
+            raise ConversionError(
+                f"The tokenizer files in {name} cannot be loaded: {error}. Fix or remove them and retry."
+            ) from error
+        logger.info(f"{name} has no usable tokenizer ({error}); the output will hold the model only.")
+        return None  # a Hub repository without tokenizer files
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    """Turn transformers' own bars (loading/writing weights) off with ours, and restore them afterwards."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
+
+
+def convert_checkpoint(
+    source: str | os.PathLike | GPT2LMHeadModel,
+    output: str | os.PathLike,
+    *,
+    delta_mode: str = "additive",
+    value_channels: int = 1,
+    beta_init: float = 0.0,
+    dtype: str = "auto",
+    force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    base_model: str | None = None,
+    tokenizer=None,
+    progress: bool = True,
+    command: str | None = None,
+    hub_repo_id: str | None = None,
+    **config_overrides,
+) -> EquivalenceReport:
+    """Convert `source` and write a complete, verified Hub repository to `output`; return the verification report.
+
+    Everything is written to a temporary directory beside `output` (same filesystem, so the final rename is
+    atomic), reloaded from there and compared with the source; only then is it renamed to `output`. On any error,
+    including KeyboardInterrupt, SIGTERM (on the main thread) or a full disk, the temporary directory is removed and
+    `output` is left as it was (see `atomic_directory`). Raises ConversionError when the additive beta = 0
+    conversion is not equivalent (a bug: nothing is written).
+    `hub_repo_id` (where the output will be pushed, if known) is used in the model card's loading examples.
+    """
+    output = Path(output).absolute()
+    source_name = source if isinstance(source, (str, os.PathLike)) else None
+    if base_model is None:
+        base_model = (
+            os.fspath(source_name)
+            if source_name is not None
+            else getattr(source.config, "_name_or_path", "") or "gpt2-in-memory"
+        )
+    overrides = dict(
+        config_overrides, delta_mode=delta_mode, delta_value_channels=value_channels, delta_beta_init=beta_init
+    )
+    card = {"base_model": base_model, "command": command, "load_id": hub_repo_id or os.fspath(output)}
+
+    with _progress_bars(progress), atomic_directory(output, force=force) as tmp:
+        bar = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
+        with contextlib.closing(bar) as stages:
+            report = _write_verified(
+                source, source_name, tmp, output, dtype, overrides, max_shard_size, tokenizer, card, stages
+            )
+            stages.update()
+            stages.set_postfix_str("done")
+    logger.info(f"Wrote the converted model to {output}.")
+    return report
+
+
+def _write_verified(
+    source, source_name, tmp: Path, output: Path, dtype, overrides: dict, max_shard_size, tokenizer, card: dict, stages
+) -> EquivalenceReport:
+    """Load and convert `source`, write every file into `tmp`, reload and verify them; return the report."""
+    torch_dtype = _resolve_dtype(dtype)
+    stages.set_postfix_str("loading source")
+    if source_name is not None:
+        gpt2 = load_gpt2(source_name, torch_dtype)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(source_name)  # from_pretrained already read generation_config.json
+    else:
+        gpt2 = source if torch_dtype == "auto" else copy.deepcopy(source).to(torch_dtype)
+        gpt2.eval()
+    stages.update()
+
+    stages.set_postfix_str("converting")
+    converted = _convert(gpt2, overrides, share_weights=True)
+    stages.update()
+
+    stages.set_postfix_str("writing weights")
+    converted.save_pretrained(tmp, max_shard_size=max_shard_size)
+    del converted
+    stages.update()
+
+    stages.set_postfix_str("writing tokenizer")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    stages.update()
+
+    stages.set_postfix_str("verifying the written files")
+    with _quiet_transformers():
+        reloaded = DeltaGPTForCausalLM.from_pretrained(tmp, dtype=gpt2.dtype).eval()
+    input_ids, text = sample_input_ids(tokenizer, gpt2.config)
+    report = equivalence_report(gpt2, reloaded, input_ids, eval_text=text)
+    tolerance = EQUIVALENCE_TOLERANCE.get(gpt2.dtype, 1e-4)
+    if report.expected_equivalent and not (report.max_abs_logit_diff <= tolerance and report.greedy_identical):
+        raise ConversionError(
+            f"Verification failed: the converted model is not equivalent to the source "
+            f"(max |logit difference| {report.max_abs_logit_diff:.3e} > {tolerance:g} or greedy continuation "
+            f"differs). Nothing was written to {output}. Please report this with the source you used.\n{report}"
+        )
+    stages.update()
+
+    stages.set_postfix_str("model card")
+    model_card(report=report, config=reloaded.config, **card).save(tmp / "README.md")
+    return report
+
+
+def push_converted_to_hub(
+    output: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload DeltaGPT converted from GPT-2",
+) -> str:
+    """Upload a directory written by `convert_checkpoint` as it is (the same files), return the commit URL.
+
+    `model.push_to_hub(repo)` uploads only what `save_pretrained` writes (config, code, weights, generation config)
+    plus a model card; `tokenizer.push_to_hub(repo)` adds the tokenizer. This sends every file of the folder in one
+    commit, including our model card (what `hf upload REPO OUT` does too).
+    """
+    folder = Path(output)
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not (folder / "config.json").is_file():
+        raise ConversionError(f"{folder} is not a converted model directory (no config.json); nothing was uploaded.")
+    api = HfApi(token=token)
+    repo = api.create_repo(repo_id, private=private, exist_ok=True)
+    operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=p) for p in files]
+    commit = api.create_commit(repo_id=repo.repo_id, operations=operations, commit_message=commit_message)
+    logger.info(f"Uploaded {len(files)} files of {folder} to {repo.repo_id}.")
+    return str(getattr(commit, "commit_url", commit))
+
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "convert_checkpoint", "model_card", "push_converted_to_hub"]

@@ -1,0 +1,143 @@
+"""Does a converted DeltaGPT compute what its source GPT-2 computes? Measure it on held-out tokens.
+
+`convert_checkpoint` runs this on the files it wrote, before renaming them into place; the report it returns is
+also what the model card and the CLI print.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from ..modeling_delta_gpt import DeltaGPTForCausalLM
+
+# Largest |logit difference| accepted when the conversion is meant to be exact (additive mode, beta = 0).
+# In float32 the Delta term is exactly 0, so the measured figure is 0; the bound leaves room for kernels that
+# reorder sums. Half precisions round the same operations the same way, but allow for their coarser grid.
+EQUIVALENCE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+# Held-out text for the verification report (written for this package; not in any training set we use).
+SAMPLE_TEXT = (
+    "The lighthouse keeper wrote the weather into a ledger every evening: wind from the west, a grey swell, "
+    "two fishing boats back before dark. Nobody had asked him to keep the ledger, and nobody read it, but the "
+    "habit had outlived three inspectors and one storm that took the roof off the boathouse.\n\n"
+    "In spring the council sent a young engineer to install an automatic lamp. She stayed a week, measured the "
+    "tower twice, and spent her last evening reading the ledger from the first page. When she left she asked "
+    "whether she could come back in the autumn, not to finish the lamp, which already worked, but to see if the "
+    "swallows returned to the same beam above the door. He said they always did, and that he had written it down."
+)
+
+
+@dataclass
+class EquivalenceReport:
+    """How closely a converted DeltaGPT reproduces its source GPT-2 on the same tokens."""
+
+    max_abs_logit_diff: float
+    source_perplexity: float
+    converted_perplexity: float
+    greedy_tokens: int
+    greedy_identical: bool
+    eval_tokens: int = 0
+    eval_text: str = "given input_ids"
+    delta_mode: str = "additive"
+    beta_init: float = 0.0
+    value_channels: int = 1
+    dtype: str = "float32"
+    max_beta: float = 0.0  # largest beta any Delta block produced on the evaluation tokens
+
+    @property
+    def perplexity_change(self) -> float:
+        """Relative perplexity change of the converted model, e.g. 0.0 for an exact conversion."""
+        return self.converted_perplexity / self.source_perplexity - 1.0
+
+    @property
+    def expected_equivalent(self) -> bool:
+        """Additive mode with every beta = 0 is GPT-2 exactly; any other setting changes the function."""
+        return self.delta_mode == "additive" and self.max_beta == 0.0
+
+    def perplexity_same_to(self, digits: int = 4) -> bool:
+        return f"{self.source_perplexity:.{digits}g}" == f"{self.converted_perplexity:.{digits}g}"
+
+    def __str__(self) -> str:
+        lines = [
+            "Equivalence report (converted DeltaGPT vs source GPT-2)",
+            f"  setting                      : delta_mode={self.delta_mode}, value_channels={self.value_channels}, "
+            f"beta_init={self.beta_init:g}, dtype={self.dtype}",
+            f"  evaluated on                 : {self.eval_tokens} tokens of {self.eval_text}",
+            f"  max |logit difference|       : {self.max_abs_logit_diff:.3e}",
+            f"  perplexity source / converted: {self.source_perplexity:.6g} / {self.converted_perplexity:.6g}"
+            f" ({self.perplexity_change:+.4%}; same to 4 significant digits: {self.perplexity_same_to(4)})",
+            f"  greedy {self.greedy_tokens} tokens identical  : {self.greedy_identical}",
+            f"  largest beta on these tokens : {self.max_beta:.3g}",
+        ]
+        if self.delta_mode == "paper" and self.beta_init == 0.0:
+            lines.append(
+                "  note: paper mode at beta = 0 makes every Delta block the identity map, so the model starts as "
+                f"embeddings -> ln_f -> lm_head; the perplexity change above ({self.perplexity_change:+.2%}) is the "
+                "cost of that choice until fine-tuning opens the gates."
+            )
+        elif not self.expected_equivalent:
+            lines.append(
+                "  note: beta != 0 (or paper mode) changes the function at step 0; the perplexity change above is the "
+                "cost of that choice. Use the defaults (additive, beta_init=0) for an exact start."
+            )
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def equivalence_report(
+    source: GPT2LMHeadModel,
+    converted: DeltaGPTForCausalLM,
+    input_ids: torch.Tensor,
+    greedy_tokens: int = 64,
+    eval_text: str = "given input_ids",
+) -> EquivalenceReport:
+    """Compare logits and perplexity on `input_ids` [batch, seq], and greedy continuations of its first row.
+
+    The prompt for the greedy comparison is the first (up to) 8 tokens; `min_new_tokens` stops EOS from cutting
+    the comparison short.
+    """
+    source_out = source(input_ids, labels=input_ids)
+    converted_out = converted(input_ids, labels=input_ids, output_betas=True)
+    betas = converted_out.betas or ()
+    max_beta = max((float(b.max()) for b in betas), default=0.0)
+    prompt = input_ids[:1, : max(1, min(8, input_ids.shape[1]))]
+    greedy_tokens = max(0, min(greedy_tokens, source.config.n_positions - prompt.shape[1]))
+    kwargs = dict(max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, do_sample=False, pad_token_id=0)
+    if greedy_tokens:
+        greedy_identical = bool(torch.equal(source.generate(prompt, **kwargs), converted.generate(prompt, **kwargs)))
+    else:
+        greedy_identical = True
+    config = converted.config
+    return EquivalenceReport(
+        max_abs_logit_diff=(source_out.logits.float() - converted_out.logits.float()).abs().max().item(),
+        source_perplexity=math.exp(source_out.loss.item()),
+        converted_perplexity=math.exp(converted_out.loss.item()),
+        greedy_tokens=greedy_tokens,
+        greedy_identical=greedy_identical,
+        eval_tokens=int(input_ids.numel()),
+        eval_text=eval_text,
+        delta_mode=config.delta_mode,
+        beta_init=float(config.delta_beta_init),
+        value_channels=int(config.delta_value_channels),
+        dtype=str(converted.dtype).removeprefix("torch."),
+        max_beta=max_beta,
+    )
+
+
+def sample_input_ids(tokenizer, config: GPT2Config, max_tokens: int = 512) -> tuple[torch.Tensor, str]:
+    """Held-out evaluation tokens: `SAMPLE_TEXT` through the tokenizer, or fixed random ids without one."""
+    limit = min(max_tokens, config.n_positions)
+    if tokenizer is not None:
+        ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :limit]
+        if ids.shape[1] >= 2 and int(ids.max()) < config.vocab_size:
+            return ids, "held-out sample text (ddl_hf.conversion.SAMPLE_TEXT)"
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (1, min(limit, 128)), generator=generator)
+    return ids, "fixed random token ids (no usable tokenizer)"
+
+
+__all__ = ["EQUIVALENCE_TOLERANCE", "SAMPLE_TEXT", "EquivalenceReport", "equivalence_report", "sample_input_ids"]
