@@ -121,14 +121,23 @@ def test_auto_classes_build_every_head(tmp_path) -> None:
 
 def test_sequence_and_token_classification_heads() -> None:
     config = delta_config(num_labels=3, delta_value_channels=2)
-    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])  # row 0 left-padded with pad_token_id 0
+    # Row 0 right-padded with pad_token_id 0: its last position is padding, so pooling the last position would
+    # give another answer than pooling the last real token.
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    mask = (ids != 0).long()
+    lengths = mask.sum(-1).tolist()
     labels = torch.tensor([2, 0])
     seq_model = ddl_hf.DeltaGPTForSequenceClassification(config).eval()
-    out = seq_model(ids, attention_mask=(ids != 0).long(), labels=labels)
-    assert out.logits.shape == (2, 3) and out.loss.ndim == 0
-    # The pooled logits are the score head applied to the last non-padding token's hidden state.
-    hidden = seq_model.transformer(ids, attention_mask=(ids != 0).long()).last_hidden_state
-    torch.testing.assert_close(out.logits, seq_model.score(hidden[:, -1]))
+    open_gates(seq_model)  # exercise the Delta path, not only the beta = 0 case
+    with torch.no_grad():
+        out = seq_model(ids, attention_mask=mask, labels=labels)
+        assert out.logits.shape == (2, 3) and out.loss.ndim == 0
+        # The pooled logits are those of each sequence run alone, unpadded (batch of one: its last token).
+        alone = torch.cat([seq_model(ids[row : row + 1, :n]).logits for row, n in enumerate(lengths)])
+        torch.testing.assert_close(out.logits, alone)
+        # ... and not the last position's: the test can tell the two poolings apart.
+        hidden = seq_model.transformer(ids, attention_mask=mask).last_hidden_state
+        assert (seq_model.score(hidden[0, -1]) - alone[0]).abs().max() > 1e-3
     torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
 
     token_model = ddl_hf.DeltaGPTForTokenClassification(config).eval()
