@@ -87,12 +87,53 @@ def test_layer_matches_a_token_by_token_recomputation(negative_eigval):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_additive_rule_is_the_same_layer_without_erase():
-    delta, additive = delta_model(DELTA_NET, seed=3), delta_model(DELTA_NET, seed=3, delta_net_rule="write_only")
-    assert delta.state_dict().keys() == additive.state_dict().keys()
-    additive.load_state_dict(delta.state_dict())
+def core_output(layer: DeltaNetAttention, x: torch.Tensor) -> torch.Tensor:
+    """The layer's delta-rule output o `[B, H, T, d_v]`, before o_norm and o_proj (read with a hook on o_norm)."""
+    seen = []
+    handle = layer.o_norm.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        layer(x)
+    handle.remove()
+    return seen[0].transpose(1, 2)  # o_norm sees [B, T, H, d_v]
+
+
+def test_write_only_rule_is_purely_additive_linear_attention():
+    """delta_net_rule="write_only" is the same layer without the erase term: o_t = sum_{s<=t} beta_s v_s (k_s . q_t)."""
+    config = delta_config(DELTA_NET, delta_net_rule="write_only", delta_net_conv_size=3)
+    torch.manual_seed(0)
+    write_only = DeltaNetAttention(config, layer_idx=0).eval()
+    with torch.no_grad():  # a visible conv and gate (the HF init would make them tiny)
+        write_only.conv1d.weight.normal_()
+        write_only.b_proj.weight.normal_(std=0.5)
+    erase = DeltaNetAttention(delta_config(DELTA_NET, delta_net_conv_size=3), layer_idx=0).eval()
+    assert erase.state_dict().keys() == write_only.state_dict().keys()
+    erase.load_state_dict(write_only.state_dict())
+    x = torch.randn(2, 21, 32)  # 3 chunks of 8
+
+    # q, k, v and beta the way DeltaNetAttention.forward makes them.
+    with torch.no_grad():
+        heads, dim = write_only.num_heads, write_only.head_dim
+        qkv = torch.cat([write_only.q_proj(x), write_only.k_proj(x), write_only.v_proj(x)], -1)
+        q, k, v = (z.view(2, 21, heads, dim).transpose(1, 2) for z in write_only._short_conv(qkv, None).split(32, -1))
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        beta = torch.sigmoid(write_only.b_proj(x)).transpose(1, 2)  # [B, H, T]
+    # Closed form of purely additive linear attention: causal (q_t . k_s) weights times beta_s v_s.
+    scores = (q @ k.transpose(-1, -2)).tril()  # [B, H, t, s], s <= t
+    expected = scores @ (beta.unsqueeze(-1) * v)
+
+    torch.testing.assert_close(core_output(write_only, x), expected, rtol=1e-5, atol=1e-5)
+    assert (core_output(erase, x) - expected).abs().max() > 1e-2  # the delta rule does erase
+
+
+def test_old_additive_rule_spelling_still_works_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="delta_net_rule='additive' is deprecated"):
+        config = delta_config(DELTA_NET, delta_net_rule="additive")
+    assert config.delta_net_rule == "write_only" and config.to_dict()["delta_net_rule"] == "write_only"
+    old, new = delta_model(config=config, seed=3), delta_model(DELTA_NET, seed=3, delta_net_rule="write_only")
+    assert not old.transformer.h[0].attn.erase
     ids = torch.randint(0, VOCAB, (1, 20))
-    assert not torch.allclose(delta(ids).logits, additive(ids).logits, atol=1e-4)
+    with torch.no_grad():
+        assert torch.equal(old(ids).logits, new(ids).logits)
 
 
 # ---------------------------------------------------------------------------------------------------------------
