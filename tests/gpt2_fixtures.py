@@ -1,4 +1,4 @@
-"""GPT-2 checkpoints the conversion tests build themselves (this machine cannot download any).
+"""GPT-2 checkpoints the conversion tests build themselves (this machine cannot download any); configs: `builders`.
 
 A byte-level GPT-2 tokenizer (token id = byte value, 256 = <|endoftext|>, no merges) keeps the vocabulary at 257
 while going through the real GPT2Tokenizer code, so tokenizer copying is tested with a genuine GPT-2 tokenizer.
@@ -10,11 +10,11 @@ import functools
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
+from builders import BYTE_LEVEL, gpt2_config
+from transformers import GPT2LMHeadModel, GPT2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-VOCAB = 257
-EOS = 256
+EOS = BYTE_LEVEL["eos_token_id"]  # <|endoftext|>
 
 # Training text for the GPT-2 trained inside the tests (original text; SAMPLE_TEXT in ddl_hf.conversion is held out).
 TRAIN_TEXT = (
@@ -26,53 +26,12 @@ TRAIN_TEXT = (
     "runs under them. When it rains the river rises, the wheel turns faster, and the miller grinds until dark. "
 ) * 3
 
-# Shapes of the GPT-2 family: (n_layer, n_head, n_embd) of the real checkpoints.
-GPT2_FAMILY = {
-    "distilgpt2": (6, 12, 768),
-    "gpt2": (12, 12, 768),
-    "gpt2-medium": (24, 16, 1024),
-    "gpt2-large": (36, 20, 1280),
-    "gpt2-xl": (48, 25, 1600),
-}
-
 
 def byte_tokenizer() -> GPT2Tokenizer:
     byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}
     vocab["<|endoftext|>"] = EOS
     return GPT2Tokenizer(vocab=vocab, merges=[])
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    fields = dict(
-        vocab_size=VOCAB,
-        n_positions=128,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2Config(**{**fields, **overrides})
-
-
-def family_config(name: str, head_dim: int = 4) -> GPT2Config:
-    """The real member's depth and head count; width = n_head * head_dim, vocab 257 and context 128.
-
-    Reduced from the real widths (768..1600), vocabulary (50257) and context (1024) so that all five members, twice
-    (d_v = 1 and 4), fit the CI budget; depth and head count, the structure the conversion walks, are the real ones.
-    initializer_range 0.1 (GPT-2 uses 0.02) makes the random logits far from uniform, so equality is a real test.
-    """
-    n_layer, n_head, _ = GPT2_FAMILY[name]
-    return tiny_config(n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim, initializer_range=0.1)
-
-
-def random_gpt2(config: GPT2Config, seed: int = 0) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config).eval()
 
 
 def text_ids(text: str) -> torch.Tensor:
@@ -82,7 +41,7 @@ def text_ids(text: str) -> torch.Tensor:
 def train_gpt2(steps: int = 60, seed: int = 0) -> GPT2LMHeadModel:
     """A tiny GPT-2 trained for a few steps on TRAIN_TEXT, so its weights are not an initialisation pattern."""
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(tiny_config(n_embd=64, n_head=4))
+    model = GPT2LMHeadModel(gpt2_config(BYTE_LEVEL, n_embd=64, n_head=4))
     data = text_ids(TRAIN_TEXT)[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()

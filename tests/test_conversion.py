@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import GPT2_FAMILY, family_config, gpt2_model
 from gpt2_fixtures import (
-    GPT2_FAMILY,
     byte_tokenizer,
-    family_config,
-    random_gpt2,
     text_ids,
     trained_gpt2,
 )
@@ -57,7 +55,7 @@ def check_equivalent(source, converted) -> dict:
 @pytest.mark.parametrize("family", sorted(GPT2_FAMILY))
 def test_family_shapes_convert_equivalently(family, value_channels, tmp_path):
     """Real depth and head count of each family member, reduced width/vocab/context (see family_config)."""
-    source = random_gpt2(family_config(family), seed=len(family))
+    source = gpt2_model(config=family_config(family), seed=len(family))
     source.save_pretrained(tmp_path)  # through the directory path, like a downloaded checkpoint
     converted = ddl_hf.convert_gpt2(tmp_path, delta_value_channels=value_channels)
     assert isinstance(converted, ddl_hf.DeltaGPTForCausalLM)
@@ -69,7 +67,7 @@ def test_family_shapes_convert_equivalently(family, value_channels, tmp_path):
 
 def test_distilgpt2_at_full_size_converts_equivalently():
     """The one family member that fits the CI budget unreduced: distilgpt2's exact config (82M parameters)."""
-    source = random_gpt2(GPT2Config(n_layer=6))  # n_embd 768, 12 heads, vocab 50257, context 1024
+    source = gpt2_model(config=GPT2Config(n_layer=6))  # n_embd 768, 12 heads, vocab 50257, context 1024
     assert sum(p.numel() for p in source.parameters()) == 81_912_576
     figures = check_equivalent(source, ddl_hf.convert_gpt2(source))
     print(f"distilgpt2 full size d_v=1: max|dlogit|={figures['max_diff']:.3e} ppl={figures['ppl']:.6g}")
@@ -148,7 +146,7 @@ def test_untied_head_is_copied(tmp_path):
     """A fine-tune with untied input/output embeddings keeps its own lm_head."""
     config = family_config("distilgpt2")
     config.tie_word_embeddings = False
-    source = random_gpt2(config)
+    source = gpt2_model(config=config)
     with torch.no_grad():
         source.lm_head.weight.normal_()
     assert source.lm_head.weight.data_ptr() != source.transformer.wte.weight.data_ptr()
@@ -164,7 +162,7 @@ def test_other_gpt2_flags_convert_equivalently(flags):
     config = family_config("distilgpt2")
     for key, value in flags.items():
         setattr(config, key, value)
-    source = random_gpt2(config)
+    source = gpt2_model(config=config)
     check_equivalent(source, ddl_hf.convert_gpt2(source))
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import BYTE_LEVEL, gpt2_config
 from gpt2_fixtures import (
     EOS,
     byte_tokenizer,
     save_source,
     text_ids,
-    tiny_config,
     trained_gpt2,
 )
 from huggingface_hub import HfApi, ModelCard
@@ -375,7 +375,7 @@ def test_missing_and_unexpected_weights_are_listed(source_dir, tmp_path, capsys)
 
 def test_wrongly_shaped_weights_are_listed(tmp_path, capsys):
     torch.manual_seed(0)
-    GPT2LMHeadModel(tiny_config()).save_pretrained(tmp_path / "src")
+    GPT2LMHeadModel(gpt2_config(BYTE_LEVEL)).save_pretrained(tmp_path / "src")
     config = json.loads((tmp_path / "src" / "config.json").read_text())
     config["n_inner"] = 64  # the weights were saved with the default 4 * 32 = 128
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
@@ -386,7 +386,7 @@ def test_wrongly_shaped_weights_are_listed(tmp_path, capsys):
 
 def test_unsupported_gpt2_flag_is_refused(tmp_path, capsys):
     torch.manual_seed(0)
-    GPT2LMHeadModel(tiny_config(add_cross_attention=True)).save_pretrained(tmp_path / "xattn")
+    GPT2LMHeadModel(gpt2_config(BYTE_LEVEL, add_cross_attention=True)).save_pretrained(tmp_path / "xattn")
     out = tmp_path / "out"
     code = run_convert("--source", str(tmp_path / "xattn"), "--output", str(out))
     assert_refused(capsys, code, out, "add_cross_attention=True", "decoder-only")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import open_gates, tiny_delta_config
+from builders import delta_config, open_gates
 from hypothesis import given, settings
 
 import ddl_hf
@@ -37,7 +37,7 @@ def operator_matrix(k: torch.Tensor, beta: float, value_channels: int) -> torch.
 @pytest.mark.parametrize("value_channels", [1, 3])
 def test_delta_residual_matches_dense_operator(mode: str, value_channels: int) -> None:
     """DeltaResidual == A X + beta k v^T (+ h 1^T), with A materialised as a d x d matrix (test 2)."""
-    config = tiny_delta_config(delta_mode=mode, delta_value_channels=value_channels)
+    config = delta_config(delta_mode=mode, delta_value_channels=value_channels)
     module = ddl_hf.DeltaResidual(config).double()
     with torch.no_grad():
         for param in module.parameters():
@@ -174,7 +174,7 @@ def test_beta_one_replaces_and_beta_two_reflects(d: int, value_channels: int, se
 @pytest.mark.parametrize("gate", ["linear", "mlp"])
 def test_beta_starts_exactly_at_delta_beta_init(beta_init: float, gate: str, token_batch: torch.Tensor) -> None:
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(tiny_delta_config(delta_beta_init=beta_init, delta_gate=gate))
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_beta_init=beta_init, delta_gate=gate))
     betas = model(token_batch, output_betas=True).betas
     assert len(betas) == 2 * model.config.n_layer
     for beta in betas:
@@ -189,7 +189,7 @@ def test_beta_starts_exactly_at_delta_beta_init(beta_init: float, gate: str, tok
 def test_closed_gate_still_gets_a_gradient(mode: str, token_batch: torch.Tensor) -> None:
     """beta == 0 exactly, yet dL/d(opening) != 0 in every block: a gate can open when training wants it."""
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(tiny_delta_config(delta_mode=mode)).train()
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_mode=mode)).train()
     out = model(token_batch, labels=token_batch, output_betas=True)
     assert all(torch.count_nonzero(beta) == 0 for beta in out.betas)
     out.loss.backward()
@@ -200,7 +200,7 @@ def test_closed_gate_still_gets_a_gradient(mode: str, token_batch: torch.Tensor)
 
 def test_one_optimizer_step_opens_the_gates(token_batch: torch.Tensor) -> None:
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(tiny_delta_config()).train()
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()
@@ -212,7 +212,7 @@ def test_one_optimizer_step_opens_the_gates(token_batch: torch.Tensor) -> None:
 
 
 def test_beta_stays_in_range_for_any_parameters(token_batch: torch.Tensor) -> None:
-    model = ddl_hf.DeltaGPTForCausalLM(tiny_delta_config())
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config())
     open_gates(model)
     with torch.no_grad():
         for module in model.modules():
@@ -224,7 +224,7 @@ def test_beta_stays_in_range_for_any_parameters(token_batch: torch.Tensor) -> No
 
 
 def test_autocast_keeps_delta_math_in_float32(token_batch: torch.Tensor) -> None:
-    model = ddl_hf.DeltaGPTForCausalLM(tiny_delta_config(delta_value_channels=2))
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_value_channels=2))
     open_gates(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(token_batch, output_betas=True)

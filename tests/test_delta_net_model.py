@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from builders import DELTA_NET, delta_config, delta_model
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments
 from transformers.cache_utils import LinearAttentionLayer
@@ -15,29 +16,7 @@ from ddl_hf.modeling_delta_gpt import DeltaNetAttention, DeltaNetCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 61
-
-
-def tiny_config(**overrides) -> DeltaGPTConfig:
-    fields = dict(
-        vocab_size=VOCAB,
-        n_positions=96,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        token_mixer="delta_net",
-        delta_net_chunk_size=8,  # several chunks (and padding) at test lengths
-        delta_beta_init=0.5,  # Delta residuals open, so the DeltaNet output matters everywhere
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return DeltaGPTConfig(**(fields | overrides))
-
-
-def tiny_model(seed: int = 0, **overrides) -> DeltaGPTForCausalLM:
-    torch.manual_seed(seed)
-    return DeltaGPTForCausalLM(tiny_config(**overrides)).eval()
+VOCAB = DELTA_NET["vocab_size"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,20 +39,20 @@ def tiny_model(seed: int = 0, **overrides) -> DeltaGPTForCausalLM:
 )
 def test_bad_token_mixer_fields_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"DeltaGPTConfig\.{field}={value!r} is invalid"):
-        tiny_config(**{field: value})
+        delta_config(DELTA_NET, **{field: value})
 
 
 def test_heads_that_do_not_divide_the_width_need_an_explicit_head_dim():
     with pytest.raises(ValueError, match="delta_net_head_dim=None is invalid"):
-        tiny_config(delta_net_heads=3)
-    layer = DeltaNetAttention(tiny_config(delta_net_heads=3, delta_net_head_dim=5))
+        delta_config(DELTA_NET, delta_net_heads=3)
+    layer = DeltaNetAttention(delta_config(DELTA_NET, delta_net_heads=3, delta_net_head_dim=5))
     assert layer.q_proj.out_features == 15 and layer.o_proj.in_features == 15
 
 
 def test_attention_is_the_default_mixer():
     assert DeltaGPTConfig().token_mixer == "attention"
-    assert type(tiny_model(token_mixer="attention").transformer.h[0].attn).__name__ == "GPT2Attention"
-    assert isinstance(tiny_model().transformer.h[0].attn, DeltaNetAttention)
+    assert type(delta_model(DELTA_NET, token_mixer="attention").transformer.h[0].attn).__name__ == "GPT2Attention"
+    assert isinstance(delta_model(DELTA_NET).transformer.h[0].attn, DeltaNetAttention)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,7 +62,7 @@ def test_attention_is_the_default_mixer():
 
 @pytest.mark.parametrize("negative_eigval", [False, True])
 def test_layer_matches_a_token_by_token_recomputation(negative_eigval):
-    config = tiny_config(delta_net_allow_negative_eigval=negative_eigval, delta_net_conv_size=3)
+    config = delta_config(DELTA_NET, delta_net_allow_negative_eigval=negative_eigval, delta_net_conv_size=3)
     torch.manual_seed(0)
     layer = DeltaNetAttention(config, layer_idx=0).eval()
     with torch.no_grad():  # a visible conv and gate (the HF init would make them tiny)
@@ -108,12 +87,53 @@ def test_layer_matches_a_token_by_token_recomputation(negative_eigval):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_additive_rule_is_the_same_layer_without_erase():
-    delta, additive = tiny_model(seed=3), tiny_model(seed=3, delta_net_rule="write_only")
-    assert delta.state_dict().keys() == additive.state_dict().keys()
-    additive.load_state_dict(delta.state_dict())
+def core_output(layer: DeltaNetAttention, x: torch.Tensor) -> torch.Tensor:
+    """The layer's delta-rule output o `[B, H, T, d_v]`, before o_norm and o_proj (read with a hook on o_norm)."""
+    seen = []
+    handle = layer.o_norm.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        layer(x)
+    handle.remove()
+    return seen[0].transpose(1, 2)  # o_norm sees [B, T, H, d_v]
+
+
+def test_write_only_rule_is_purely_additive_linear_attention():
+    """delta_net_rule="write_only" is the same layer without the erase term: o_t = sum_{s<=t} beta_s v_s (k_s . q_t)."""
+    config = delta_config(DELTA_NET, delta_net_rule="write_only", delta_net_conv_size=3)
+    torch.manual_seed(0)
+    write_only = DeltaNetAttention(config, layer_idx=0).eval()
+    with torch.no_grad():  # a visible conv and gate (the HF init would make them tiny)
+        write_only.conv1d.weight.normal_()
+        write_only.b_proj.weight.normal_(std=0.5)
+    erase = DeltaNetAttention(delta_config(DELTA_NET, delta_net_conv_size=3), layer_idx=0).eval()
+    assert erase.state_dict().keys() == write_only.state_dict().keys()
+    erase.load_state_dict(write_only.state_dict())
+    x = torch.randn(2, 21, 32)  # 3 chunks of 8
+
+    # q, k, v and beta the way DeltaNetAttention.forward makes them.
+    with torch.no_grad():
+        heads, dim = write_only.num_heads, write_only.head_dim
+        qkv = torch.cat([write_only.q_proj(x), write_only.k_proj(x), write_only.v_proj(x)], -1)
+        q, k, v = (z.view(2, 21, heads, dim).transpose(1, 2) for z in write_only._short_conv(qkv, None).split(32, -1))
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        beta = torch.sigmoid(write_only.b_proj(x)).transpose(1, 2)  # [B, H, T]
+    # Closed form of purely additive linear attention: causal (q_t . k_s) weights times beta_s v_s.
+    scores = (q @ k.transpose(-1, -2)).tril()  # [B, H, t, s], s <= t
+    expected = scores @ (beta.unsqueeze(-1) * v)
+
+    torch.testing.assert_close(core_output(write_only, x), expected, rtol=1e-5, atol=1e-5)
+    assert (core_output(erase, x) - expected).abs().max() > 1e-2  # the delta rule does erase
+
+
+def test_old_additive_rule_spelling_still_works_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="delta_net_rule='additive' is deprecated"):
+        config = delta_config(DELTA_NET, delta_net_rule="additive")
+    assert config.delta_net_rule == "write_only" and config.to_dict()["delta_net_rule"] == "write_only"
+    old, new = delta_model(config=config, seed=3), delta_model(DELTA_NET, seed=3, delta_net_rule="write_only")
+    assert not old.transformer.h[0].attn.erase
     ids = torch.randint(0, VOCAB, (1, 20))
-    assert not torch.allclose(delta(ids).logits, additive(ids).logits, atol=1e-4)
+    with torch.no_grad():
+        assert torch.equal(old(ids).logits, new(ids).logits)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,7 +147,7 @@ def test_additive_rule_is_the_same_layer_without_erase():
     ids=["conv4", "no_conv", "negative_eigval", "additive"],
 )
 def test_cached_forward_equals_full_forward(overrides):
-    model = tiny_model(**overrides)
+    model = delta_model(DELTA_NET, **overrides)
     ids = torch.randint(0, VOCAB, (2, 30))
     with torch.no_grad():
         full = model(ids).logits
@@ -142,7 +162,7 @@ def test_cached_forward_equals_full_forward(overrides):
 
 
 def test_cache_memory_is_constant_in_context_length():
-    model = tiny_model()
+    model = delta_model(DELTA_NET)
 
     def cache_bytes(length):
         with torch.no_grad():
@@ -157,7 +177,7 @@ def test_cache_memory_is_constant_in_context_length():
 
 @pytest.mark.parametrize("rule", ["delta", "write_only"])
 def test_greedy_generate_with_cache_equals_without(rule):
-    model = tiny_model(delta_net_rule=rule)
+    model = delta_model(DELTA_NET, delta_net_rule=rule)
     prompt = torch.randint(0, VOCAB, (2, 9))
     kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     cached = model.generate(prompt, use_cache=True, **kwargs)
@@ -167,7 +187,7 @@ def test_greedy_generate_with_cache_equals_without(rule):
 
 
 def test_beam_search_with_cache_equals_without():
-    model = tiny_model()
+    model = delta_model(DELTA_NET)
     prompt = torch.randint(0, VOCAB, (2, 7))
     kwargs = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
     cached, uncached = (model.generate(prompt, use_cache=use_cache, **kwargs) for use_cache in (True, False))
@@ -175,7 +195,7 @@ def test_beam_search_with_cache_equals_without():
 
 
 def test_left_padded_batch_equals_each_prompt_alone():
-    model = tiny_model()
+    model = delta_model(DELTA_NET)
     prompts = [torch.randint(1, VOCAB, (n,)) for n in (5, 12)]
     batch = torch.zeros(2, 12, dtype=torch.long)
     mask = torch.zeros(2, 12, dtype=torch.long)
@@ -189,7 +209,7 @@ def test_left_padded_batch_equals_each_prompt_alone():
 
 
 def test_wrong_cache_or_mask_raise_clear_errors():
-    model = tiny_model()
+    model = delta_model(DELTA_NET)
     ids = torch.randint(0, VOCAB, (1, 6))
     with pytest.raises(TypeError, match="needs a DeltaNetCache"):
         model(ids, past_key_values=DynamicCache(), use_cache=True)
@@ -208,7 +228,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     ids = torch.randint(0, VOCAB, (2, 20))
     grads = []
     for checkpointing in (False, True):
-        model = tiny_model(seed=1).train()
+        model = delta_model(DELTA_NET, seed=1).train()
         if checkpointing:
             model.gradient_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
@@ -219,7 +239,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_trainer_steps_update_the_delta_net_weights(tmp_path):
-    model = tiny_model(seed=2).train()
+    model = delta_model(DELTA_NET, seed=2).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
     ids = torch.randint(0, VOCAB, (16, 24))
     dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
@@ -241,7 +261,9 @@ def test_trainer_steps_update_the_delta_net_weights(tmp_path):
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = tiny_model(delta_net_allow_negative_eigval=True, delta_net_conv_size=2, delta_net_rule="write_only")
+    model = delta_model(
+        DELTA_NET, delta_net_allow_negative_eigval=True, delta_net_conv_size=2, delta_net_rule="write_only"
+    )
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, DeltaGPTForCausalLM)

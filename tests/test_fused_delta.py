@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from builders import VOCAB, delta_config, gpt2_config
+from transformers import GPT2LMHeadModel
 
-from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf import DeltaGPTForCausalLM
 from ddl_hf.delta_ops import delta_update, fused_delta_update, straight_through_clamp, unit_direction
 from ddl_hf.modeling_delta_gpt import DeltaResidual
 
@@ -85,10 +86,6 @@ def test_straight_through_clamp_value_and_gradient():
     assert torch.equal(grad, torch.ones_like(x))
 
 
-def tiny_config(**kwargs) -> DeltaGPTConfig:
-    return DeltaGPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64, **kwargs)
-
-
 def set_fused(model: torch.nn.Module, fused: bool) -> None:
     for module in model.modules():
         if isinstance(module, DeltaResidual):
@@ -99,8 +96,7 @@ def set_fused(model: torch.nn.Module, fused: bool) -> None:
 def test_model_fused_equals_plain(d_v, mode):
     """The whole model, logits and every parameter gradient, fused vs the plain reference path."""
     torch.manual_seed(0)
-    config = tiny_config(delta_mode=mode, delta_value_channels=d_v, delta_beta_init=0.7, resid_pdrop=0.0)
-    config.embd_pdrop = config.attn_pdrop = 0.0
+    config = delta_config(delta_mode=mode, delta_value_channels=d_v, delta_beta_init=0.7)  # dropout off
     model = DeltaGPTForCausalLM(config).double()
     with torch.no_grad():  # make the gates token-dependent, not just their initial constant
         for module in model.modules():
@@ -123,11 +119,10 @@ def test_model_fused_equals_plain(d_v, mode):
 @pytest.mark.parametrize("d_v", [1, 4])
 def test_beta_zero_model_equals_gpt2(d_v):
     torch.manual_seed(0)
-    gpt2_config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64)
-    gpt2 = GPT2LMHeadModel(gpt2_config).eval()
-    model = DeltaGPTForCausalLM(tiny_config(delta_value_channels=d_v)).eval()
+    gpt2 = GPT2LMHeadModel(gpt2_config()).eval()
+    model = DeltaGPTForCausalLM(delta_config(delta_value_channels=d_v)).eval()
     model.load_state_dict(gpt2.state_dict(), strict=False)
-    ids = torch.randint(0, 97, (2, 11))
+    ids = torch.randint(0, VOCAB, (2, 11))
     with torch.no_grad():
         expected, actual = gpt2(ids).logits, model(ids).logits
     if d_v == 1:
@@ -138,7 +133,7 @@ def test_beta_zero_model_equals_gpt2(d_v):
 
 def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32):
     torch.manual_seed(0)
-    module = DeltaResidual(tiny_config(delta_mode=mode, delta_value_channels=d_v))
+    module = DeltaResidual(delta_config(delta_mode=mode, delta_value_channels=d_v))
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.3)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_delta_config, tiny_gpt2
+from builders import delta_config, gpt2_model
 
 import ddl_hf
 
 
 def delta_from_gpt2(gpt2: torch.nn.Module, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
     """Load the GPT-2 state dict into a fresh DeltaGPT; only Delta parameters may be missing."""
-    config = tiny_delta_config(**{**gpt2.config.to_diff_dict(), **overrides})
+    config = delta_config(**{**gpt2.config.to_diff_dict(), **overrides})
     config._attn_implementation = gpt2.config._attn_implementation
     model = ddl_hf.DeltaGPTForCausalLM(config).eval()
     missing, unexpected = model.load_state_dict(gpt2.state_dict(), strict=False)
@@ -23,7 +23,7 @@ def delta_from_gpt2(gpt2: torch.nn.Module, **overrides) -> ddl_hf.DeltaGPTForCau
 @pytest.mark.parametrize("value_channels", [1, 4])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
 def test_additive_beta_zero_matches_gpt2(value_channels: int, padding: str | None, token_batch: torch.Tensor) -> None:
-    gpt2 = tiny_gpt2()
+    gpt2 = gpt2_model(random_constants=True)
     delta = delta_from_gpt2(gpt2, delta_value_channels=value_channels)
     kwargs = {}
     if padding is not None:
@@ -47,7 +47,7 @@ def test_additive_beta_zero_matches_gpt2(value_channels: int, padding: str | Non
 
 def test_additive_equivalence_holds_for_every_attention_backend(token_batch: torch.Tensor) -> None:
     for implementation in ("eager", "sdpa"):
-        gpt2 = tiny_gpt2(attn_implementation=implementation)
+        gpt2 = gpt2_model(random_constants=True, attn_implementation=implementation)
         delta = delta_from_gpt2(gpt2, delta_value_channels=4)
         assert delta.config._attn_implementation == implementation
         with torch.no_grad():
@@ -56,7 +56,7 @@ def test_additive_equivalence_holds_for_every_attention_backend(token_batch: tor
 
 def test_opened_gates_change_the_function(token_batch: torch.Tensor) -> None:
     """The equivalence above is not vacuous: once beta != 0 the model departs from GPT-2."""
-    gpt2 = tiny_gpt2()
+    gpt2 = gpt2_model(random_constants=True)
     delta = delta_from_gpt2(gpt2)
     with torch.no_grad():
         for module in delta.modules():
@@ -67,7 +67,7 @@ def test_opened_gates_change_the_function(token_batch: torch.Tensor) -> None:
 
 def test_paper_mode_beta_zero_is_identity_per_block(token_batch: torch.Tensor) -> None:
     """Paper eq. 3.5: with beta = 0 every block is skipped, so the output is ln_f(embeddings) -> lm_head."""
-    gpt2 = tiny_gpt2()
+    gpt2 = gpt2_model(random_constants=True)
     delta = delta_from_gpt2(gpt2, delta_mode="paper")
     with torch.no_grad():
         positions = torch.arange(token_batch.shape[1])

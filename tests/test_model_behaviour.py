@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import VOCAB, open_gates, tiny_delta, tiny_delta_config
+from builders import VOCAB, delta_config, delta_model, open_gates
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -22,7 +22,7 @@ MODES = [("additive", 1), ("additive", 4), ("paper", 1), ("paper", 3)]
 
 
 def gated_model(mode: str, value_channels: int, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
-    model = tiny_delta(delta_mode=mode, delta_value_channels=value_channels, **overrides)
+    model = delta_model(delta_mode=mode, delta_value_channels=value_channels, **overrides)
     open_gates(model)  # exercise the Delta path, not only the beta = 0 case
     return model
 
@@ -105,7 +105,7 @@ def test_save_and_auto_load_round_trip_bit_exactly(tmp_path, mode: str, value_ch
 
 
 def test_auto_classes_build_every_head(tmp_path) -> None:
-    config = tiny_delta_config(num_labels=3)
+    config = delta_config(num_labels=3)
     assert isinstance(AutoConfig.for_model("delta_gpt"), ddl_hf.DeltaGPTConfig)
     expected = {
         AutoModel: ddl_hf.DeltaGPTModel,
@@ -120,15 +120,24 @@ def test_auto_classes_build_every_head(tmp_path) -> None:
 
 
 def test_sequence_and_token_classification_heads() -> None:
-    config = tiny_delta_config(num_labels=3, delta_value_channels=2)
-    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])  # row 0 left-padded with pad_token_id 0
+    config = delta_config(num_labels=3, delta_value_channels=2)
+    # Row 0 right-padded with pad_token_id 0: its last position is padding, so pooling the last position would
+    # give another answer than pooling the last real token.
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    mask = (ids != 0).long()
+    lengths = mask.sum(-1).tolist()
     labels = torch.tensor([2, 0])
     seq_model = ddl_hf.DeltaGPTForSequenceClassification(config).eval()
-    out = seq_model(ids, attention_mask=(ids != 0).long(), labels=labels)
-    assert out.logits.shape == (2, 3) and out.loss.ndim == 0
-    # The pooled logits are the score head applied to the last non-padding token's hidden state.
-    hidden = seq_model.transformer(ids, attention_mask=(ids != 0).long()).last_hidden_state
-    torch.testing.assert_close(out.logits, seq_model.score(hidden[:, -1]))
+    open_gates(seq_model)  # exercise the Delta path, not only the beta = 0 case
+    with torch.no_grad():
+        out = seq_model(ids, attention_mask=mask, labels=labels)
+        assert out.logits.shape == (2, 3) and out.loss.ndim == 0
+        # The pooled logits are those of each sequence run alone, unpadded (batch of one: its last token).
+        alone = torch.cat([seq_model(ids[row : row + 1, :n]).logits for row, n in enumerate(lengths)])
+        torch.testing.assert_close(out.logits, alone)
+        # ... and not the last position's: the test can tell the two poolings apart.
+        hidden = seq_model.transformer(ids, attention_mask=mask).last_hidden_state
+        assert (seq_model.score(hidden[0, -1]) - alone[0]).abs().max() > 1e-3
     torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
 
     token_model = ddl_hf.DeltaGPTForTokenClassification(config).eval()
@@ -141,7 +150,7 @@ def test_sequence_and_token_classification_heads() -> None:
 
 
 def test_outputs_hidden_states_attentions_and_betas() -> None:
-    model = tiny_delta(delta_value_channels=3, attn_implementation="eager")
+    model = delta_model(delta_value_channels=3, attn_implementation="eager")
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     out = model(ids, output_hidden_states=True, output_attentions=True, output_betas=True)
     n_layer, d = model.config.n_layer, model.config.n_embd
@@ -156,7 +165,7 @@ def test_outputs_hidden_states_attentions_and_betas() -> None:
 
 
 def test_tied_embeddings_and_resize_token_embeddings() -> None:
-    model = tiny_delta()
+    model = delta_model()
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     model.resize_token_embeddings(VOCAB + 11)
     assert model.config.vocab_size == VOCAB + 11
@@ -198,11 +207,11 @@ def test_loss_accepts_num_items_in_batch_like_trainer() -> None:
 )
 def test_bad_config_values_raise_value_error(field: str, value, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        tiny_delta_config(**{field: value})
+        delta_config(**{field: value})
 
 
 def test_config_mutated_after_creation_is_checked_when_building_or_saving(tmp_path) -> None:
-    config = tiny_delta_config()
+    config = delta_config()
     config.delta_mode = "typo"
     with pytest.raises(ValueError, match="delta_mode='typo'"):
         ddl_hf.DeltaGPTForCausalLM(config)
@@ -211,7 +220,7 @@ def test_config_mutated_after_creation_is_checked_when_building_or_saving(tmp_pa
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
-    model = tiny_delta()
+    model = delta_model()
     with pytest.raises(ValueError, match=r"outside \[0, vocab_size=97\).*resize_token_embeddings"):
         model(torch.tensor([[1, 2, VOCAB]]))
     with pytest.raises(ValueError, match="outside"):
@@ -228,7 +237,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 
 def test_generation_past_n_positions_is_refused() -> None:
-    model = tiny_delta()
+    model = delta_model()
     prompt = torch.ones(1, 60, dtype=torch.long)
     with pytest.raises(ValueError, match="n_positions=64"):
         model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)

@@ -59,14 +59,15 @@ def test_lora_with_delta_params_save_reload_merge(tmp_path):
 
 
 def test_delta_stats_callback_sees_the_trained_copies_under_peft():
+    from builders import gpt2_config
     from peft import get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     import ddl_hf
     from ddl_hf.callbacks import delta_blocks
 
     example = load_example("peft_lora")
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=2, n_head=2))
+    gpt2 = GPT2LMHeadModel(gpt2_config(vocab_size=64, n_positions=16, n_embd=8, n_head=2))
     model = get_peft_model(ddl_hf.convert_gpt2(gpt2), example.lora_config(rank=2))
     blocks = delta_blocks(model)
     assert [label for label, _ in blocks] == ["L0.attn", "L0.mlp", "L1.attn", "L1.mlp"]

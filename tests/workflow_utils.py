@@ -8,7 +8,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from builders import gpt2_config
+from transformers import GPT2LMHeadModel
 
 from ddl_hf.corpus import gpt2_tokenizer
 
@@ -19,17 +20,16 @@ def tiny_gpt2_dir(path: Path, seed: int = 0, dropout: float = 0.1) -> Path:
     """Save a 2-layer, 16-wide GPT-2 with GPT-2's real 50257-token vocabulary (and its tokenizer) to `path`."""
     torch.manual_seed(seed)
     tokenizer = gpt2_tokenizer()
-    config = GPT2Config(
+    config = gpt2_config(
         vocab_size=len(tokenizer),
-        n_positions=64,
         n_embd=16,
-        n_layer=2,
         n_head=2,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
     )
     GPT2LMHeadModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -1,0 +1,140 @@
+"""The one place that builds tiny GPT-2 and DeltaGPT configs and models for the tests (no downloads).
+
+One GPT-2 config builder and one DeltaGPT config builder; every test size is either keyword overrides at the call
+site or one of the named presets below, passed positionally: `delta_config(DELTA_NET, delta_net_rule="write_only")`.
+Later presets and then the keyword overrides win. The model builders take the same arguments (or a ready `config=`)
+and seed torch's global generator first, so a test that draws random inputs afterwards sees the same numbers.
+
+Import it as `from builders import ...` (pytest puts `tests/` on sys.path, as for `gpt2_fixtures`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import ddl_hf
+
+VOCAB = 97
+
+#: The default tiny GPT-2: 2 layers, 32 wide, 4 heads, context 64; dropout off so runs are deterministic.
+TINY = dict(
+    vocab_size=VOCAB,
+    n_positions=64,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+#: The byte-level GPT-2 of `gpt2_fixtures` (token id = byte, 256 = <|endoftext|>, no pad token), context 128, 2 heads.
+BYTE_LEVEL = dict(vocab_size=257, n_positions=128, n_head=2, bos_token_id=256, eos_token_id=256, pad_token_id=None)
+
+#: A DeltaNet token mixer with several chunks at test lengths and open Delta residuals (so the DeltaNet output
+#: matters everywhere). No special tokens: generate never stops early, and the tests pass pad_token_id themselves.
+DELTA_NET = dict(
+    vocab_size=61,
+    n_positions=96,
+    token_mixer="delta_net",
+    delta_net_chunk_size=8,
+    delta_beta_init=0.5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+#: Shapes of the GPT-2 family: (n_layer, n_head, n_embd) of the real checkpoints.
+GPT2_FAMILY = {
+    "distilgpt2": (6, 12, 768),
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+
+
+def _fields(presets: tuple[Mapping[str, Any], ...], overrides: dict[str, Any]) -> dict[str, Any]:
+    fields = dict(TINY)
+    for preset in presets:
+        fields.update(preset)
+    fields.update(overrides)
+    return fields
+
+
+def gpt2_config(*presets: Mapping[str, Any], **overrides) -> GPT2Config:
+    """`TINY`, then each preset, then the overrides."""
+    return GPT2Config(**_fields(presets, overrides))
+
+
+def delta_config(*presets: Mapping[str, Any], **overrides) -> ddl_hf.DeltaGPTConfig:
+    """The same fields as `gpt2_config` plus any DeltaGPT field (defaults: additive mode, beta = 0, attention)."""
+    return ddl_hf.DeltaGPTConfig(**_fields(presets, overrides))
+
+
+def family_config(name: str, head_dim: int = 4) -> GPT2Config:
+    """The real member's depth and head count; width = n_head * head_dim, byte-level vocab (257) and context 128.
+
+    Reduced from the real widths (768..1600), vocabulary (50257) and context (1024) so that all five members, twice
+    (d_v = 1 and 4), fit the CI budget; depth and head count, the structure the conversion walks, are the real ones.
+    initializer_range 0.1 (GPT-2 uses 0.02) makes the random logits far from uniform, so equality is a real test.
+    """
+    n_layer, n_head, _ = GPT2_FAMILY[name]
+    return gpt2_config(BYTE_LEVEL, n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim, initializer_range=0.1)
+
+
+def gpt2_model(
+    *presets: Mapping[str, Any],
+    config: GPT2Config | None = None,
+    seed: int = 0,
+    random_constants: bool = False,
+    **overrides,
+) -> GPT2LMHeadModel:
+    """A GPT2LMHeadModel in eval mode, built right after `torch.manual_seed(seed)` from `config` or the arguments.
+
+    `random_constants=True` adds noise to the biases and LayerNorms, which GPT-2 initialises to constants, so that
+    equivalence tests see every weight (drawn from the global generator right after the weights).
+    """
+    if config is None:
+        config = gpt2_config(*presets, **overrides)
+    elif presets or overrides:
+        raise TypeError("gpt2_model: pass either config= or presets/overrides, not both")
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).eval()
+    if random_constants:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "bias" in name or "ln" in name:
+                    param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def delta_model(
+    *presets: Mapping[str, Any], config: ddl_hf.DeltaGPTConfig | None = None, seed: int = 0, **overrides
+) -> ddl_hf.DeltaGPTForCausalLM:
+    """A DeltaGPTForCausalLM in eval mode, built right after `torch.manual_seed(seed)`."""
+    if config is None:
+        config = delta_config(*presets, **overrides)
+    elif presets or overrides:
+        raise TypeError("delta_model: pass either config= or presets/overrides, not both")
+    torch.manual_seed(seed)
+    return ddl_hf.DeltaGPTForCausalLM(config).eval()
+
+
+def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every Delta block a random, token-dependent beta in (0, 2) and a non-trivial value map."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, ddl_hf.DeltaResidual):
+                module.beta_open.fill_(0.5 + 0.5 * torch.rand((), generator=generator).item())
+                for param in module.beta_proj.parameters():
+                    param.copy_(torch.randn(param.shape, generator=generator))
+                module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))
