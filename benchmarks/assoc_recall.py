@@ -1,7 +1,7 @@
 """Associative recall with overwritten keys: where the delta rule's erase-and-replace matters.
 
     python benchmarks/assoc_recall.py            # trains 3 models, writes benchmarks/results/assoc_recall.{json,md}
-    python benchmarks/assoc_recall.py --quick    # a few steps each, nothing written
+    python benchmarks/assoc_recall.py --quick    # a few steps each; writes only with --out (assoc_recall_quick.*)
 
 Task (built by `build_dataset` as a `datasets.Dataset`): each sequence writes `n_keys` distinct keys
 `writes_per_key` times each, every time with a fresh random value, in shuffled order (`k v k v ...`); then a query
@@ -18,7 +18,6 @@ often the prediction is a stale (overwritten) value of the queried key.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from transformers import Trainer, TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _common import provenance, write_results  # noqa: E402
 
 import ddl_hf  # noqa: E402,F401
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM  # noqa: E402
@@ -111,14 +112,17 @@ def evaluate(model: DeltaGPTForCausalLM, test: Dataset, batch_size: int = 250) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps per model; print, do not write results")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few steps per model; print, write only where --out is given"
+    )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixers", nargs="+", choices=list(MIXERS), default=list(MIXERS))
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/results)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    prov = provenance()
     steps = 20 if args.quick else args.steps
 
     task = dict(n_keys=8, writes_per_key=3, n_queries=4, key_vocab=16, value_vocab=16)
@@ -126,8 +130,7 @@ def main() -> None:
     test = build_dataset(200 if args.quick else 2000, seed=args.seed + 1, **task)
     vocab_size, seq_len = task["key_vocab"] + task["value_vocab"] + 1, len(test[0]["input_ids"])
 
-    command = " ".join(["python benchmarks/assoc_recall.py", *(a for a in sys.argv[1:] if a != "--quick")])
-    results = {"command": command, "task": task, "seq_len": seq_len, "train_sequences": len(train), "steps": steps}
+    results = {"provenance": prov, "task": task, "seq_len": seq_len, "train_sequences": len(train), "steps": steps}
     results["models"] = {}
     for mixer in args.mixers:
         started = time.perf_counter()
@@ -161,9 +164,9 @@ def main() -> None:
     report = markdown(results)
     print(report)
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "assoc_recall.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "assoc_recall.md").write_text(report)
+        write_results(args.out or ROOT / "benchmarks" / "results", "assoc_recall", results, report)
+    elif args.out is not None:  # a smoke run writes only where asked, and never over the real results' names
+        write_results(args.out, "assoc_recall_quick", results, report)
 
 
 def markdown(results: dict) -> str:
@@ -171,7 +174,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# Associative recall with overwritten keys",
         "",
-        f"Produced by `{results['command']}`. Each sequence writes {task['n_keys']} distinct keys "
+        f"Each sequence writes {task['n_keys']} distinct keys "
         f"{task['writes_per_key']} times each (fresh random value each time; {task['key_vocab']} possible keys, "
         f"{task['value_vocab']} values), then queries {task['n_queries']} keys; the answer is the value written last. "
         f"Sequence length {results['seq_len']}; {results['steps']} Trainer steps of batch 64 per model; accuracy over "

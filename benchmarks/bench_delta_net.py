@@ -1,7 +1,7 @@
 """Time and memory of the delta rule: chunkwise (WY/UT) vs the recurrent loop vs softmax attention (SDPA), on CPU.
 
     python benchmarks/bench_delta_net.py            # full run, writes benchmarks/results/delta_net_bench.{json,md}
-    python benchmarks/bench_delta_net.py --quick    # a smoke run over short lengths, nothing written
+    python benchmarks/bench_delta_net.py --quick    # short lengths; writes only with --out (delta_net_bench_quick.*)
 
 Sizes: batch 1, 4 heads, d_k = d_v = 64 (one layer of a 256-wide model), float32, `--threads` CPU threads (default 1:
 the numbers stay comparable on a shared machine). Every (method, pass) runs in a fresh subprocess, warmed up on
@@ -21,7 +21,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _common import provenance, write_results  # noqa: E402
 
 BATCH, HEADS, HEAD_DIM, CHUNK = 1, 4, 64, 64
 LENGTHS = (512, 1024, 2048, 4096, 8192)
@@ -166,10 +167,9 @@ def markdown(results: dict) -> str:
     lines = [
         "# DeltaNet benchmark (CPU)",
         "",
-        f"Produced by `python benchmarks/bench_delta_net.py` on {results['machine']}, torch {results['torch']}, "
-        f"{results['threads']} thread(s). Sizes: batch {BATCH}, {HEADS} heads, d_k = d_v = {HEAD_DIM}, float32, "
-        f"chunk size {CHUNK}. Time: best of 5 runs (recurrent: 3, 1 from T = 4096); memory: peak resident memory "
-        "of one call above the inputs.",
+        f"{results['threads']} CPU thread(s) per measurement. Sizes: batch {BATCH}, {HEADS} heads, "
+        f"d_k = d_v = {HEAD_DIM}, float32, chunk size {CHUNK}. Time: best of 5 runs (recurrent: 3, 1 from T = 4096); "
+        "memory: peak resident memory of one call above the inputs.",
         "",
     ]
     for pass_name in PASSES:
@@ -217,9 +217,9 @@ def goals(results: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short lengths only; print, do not write results")
+    parser.add_argument("--quick", action="store_true", help="short lengths only; write only where --out is given")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/results)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -232,8 +232,7 @@ def main() -> None:
     contexts = (64, 256) if args.quick else GEN_CONTEXTS
     started = time.perf_counter()
     results = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__,
+        "provenance": provenance(),
         "threads": args.threads,
         "sizes": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "chunk_size": CHUNK},
         "lengths": list(lengths),
@@ -250,9 +249,9 @@ def main() -> None:
     report = markdown(results)
     print(report)
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "delta_net_bench.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "delta_net_bench.md").write_text(report)
+        write_results(args.out or ROOT / "benchmarks" / "results", "delta_net_bench", results, report)
+    elif args.out is not None:  # a smoke run writes only where asked, and never over the real results' names
+        write_results(args.out, "delta_net_bench_quick", results, report)
 
 
 if __name__ == "__main__":

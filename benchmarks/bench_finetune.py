@@ -14,7 +14,6 @@ import argparse
 import copy
 import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import atomic_path, provenance, write_json, write_markdown
 from transformers import set_seed
 
 import ddl_hf
@@ -82,7 +82,8 @@ def plot(results: dict, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -110,7 +111,7 @@ def write_report(results: dict, out: Path, name: str) -> None:
         )
     first = next(iter(results["variants"].values()))["runs"][0]
     lines += ["", f"Eval loss before fine-tuning (all variants, same function): {first['eval_loss_before']:.4f}."]
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_markdown(out / f"{name}.md", "\n".join(lines) + "\n", results.get("provenance"))
     plot(results, out / f"{name}.png", f"eval loss after {b['steps']} fine-tuning steps, {len(seeds)} seeds")
     print("\n".join(lines))
     print(f"\nwritten to {out}/{name}.{{json,md,png}} in {results['wall_seconds']:.0f} s")
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_report(results, path.parent, path.stem)
         return results
     start = time.time()
+    prov = provenance(None if argv is None else [__file__, *argv])
     spec = BaseSpec(**json.loads(args.base_spec)) if args.base_spec else BaseSpec()
     gpt2, tokenizer, origin = base_gpt2(args.base, cache_dir=args.cache_dir, spec=spec)
     block_size = min(spec.block_size, gpt2.config.n_positions)
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_eval_blocks=args.eval_blocks,
     )
     results: dict = {
+        "provenance": prov,
         "base": origin,
         "base_params": sum(p.numel() for p in gpt2.parameters()),
         "budget": {
@@ -147,12 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
             "eval_text": f"shakespeare-eval ({len(data['eval'])} blocks)",
         },
         "seeds": args.seeds,
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "threads": torch.get_num_threads(),
-        },
         "variants": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
@@ -198,8 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["wall_seconds"] = round(time.time() - start, 1)
 
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+    write_json(out / f"{args.name}.json", results)
     write_report(results, out, args.name)
     return results
 

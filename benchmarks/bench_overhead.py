@@ -20,10 +20,7 @@ memory only (no Python heap, no malloc fragmentation), which is what the Delta b
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +32,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import provenance, write_results
+
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 
 SHAPES = {
@@ -228,32 +227,10 @@ def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, g
     return row
 
 
-def machine() -> dict:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
-    except OSError:
-        model = platform.processor() or "?"
-    import transformers
-
-    return {
-        "cpu": model,
-        "logical_cpus": torch.multiprocessing.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
 def markdown(results: dict) -> str:
     lines = [
-        f"Machine: {results['machine']['cpu']}, {results['machine']['logical_cpus']} logical CPUs, "
-        f"torch {results['machine']['torch']} ({results['machine']['torch_threads']} threads), "
-        f"transformers {results['machine']['transformers']}. Ratios are DeltaGPT / GPT-2 of process CPU time "
-        "(lower is better; generation: time per token), median of interleaved pairs; peak memory and saved "
-        "activations at the memory batch.",
+        "Ratios are DeltaGPT / GPT-2 of process CPU time (lower is better; generation: time per token), median "
+        "of interleaved pairs; peak memory and saved activations at the memory batch.",
         "",
         "| shape | d_v | mode | train step | inference fwd | gen/token b=1 | gen/token b=8 | peak train mem "
         "| saved activations | params |",
@@ -302,7 +279,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     shapes = args.shapes or (["tiny"] if args.quick else ["tiny", "gpt2-small"])
-    results = {"machine": machine(), "quick": args.quick, "rows": []}
+    results = {"provenance": provenance(), "quick": args.quick, "rows": []}
     for shape_name in shapes:
         small = shape_name == "tiny"
         pairs = args.pairs or (25 if args.quick else (9 if small else 5))
@@ -321,9 +298,7 @@ def main() -> None:
             )
 
     name = args.name or ("overhead_quick" if args.quick else "overhead")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(results))
+    write_results(args.out, name, results, markdown(results))
     print(markdown(results))
 
 

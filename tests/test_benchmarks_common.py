@@ -1,0 +1,69 @@
+"""benchmarks/_common.py: the provenance block every benchmark writes, and the path scrubbing of its results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "_common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+HOME = os.path.expanduser("~")
+
+
+def test_provenance_fields():
+    prov = common.provenance([str(ROOT / "benchmarks" / "bench_overhead.py"), "--quick", "--out", str(ROOT / "x")])
+    assert prov["command"] == "python benchmarks/bench_overhead.py --quick --out x"
+    assert set(prov) == {"command", "git", "machine", "versions", "date"}
+    assert {"commit", "dirty"} <= set(prov["git"])
+    if (ROOT / ".git").exists():
+        assert prov["git"]["commit"] and isinstance(prov["git"]["dirty"], bool)
+    machine = prov["machine"]
+    assert machine["cpu"] and machine["logical_cpus"] == os.cpu_count()
+    import torch
+
+    assert machine["torch_threads"] == torch.get_num_threads()
+    assert prov["versions"]["torch"] == torch.__version__
+    assert prov["versions"]["python"] and prov["versions"]["transformers"]
+    assert datetime.fromisoformat(prov["date"]).utcoffset().total_seconds() == 0
+    json.dumps(prov)  # JSON-serialisable as is
+
+
+def test_git_state_outside_a_checkout(tmp_path):
+    state = common.git_state(tmp_path)
+    if subprocess.run(["git", "-C", str(tmp_path), "rev-parse"], capture_output=True).returncode == 0:
+        pytest.skip("the temporary folder is inside a git checkout")
+    assert state["commit"] is None and state["dirty"] is None and state["error"]
+
+
+@pytest.mark.skipif(HOME in ("", "/") or str(ROOT).startswith(HOME + "/"), reason="needs a home outside the repo")
+def test_scrub_home_and_boundaries():
+    assert common.scrub_text(f"cached at {HOME}/.cache/m (7M)") == "cached at ~/.cache/m (7M)"
+    assert common.scrub_text(HOME) == "~"
+    assert common.scrub_text(f"{HOME}fs/x") == f"{HOME}fs/x"  # only whole path components
+
+
+def test_scrub_repo_root_and_nested_objects():
+    data = {"out": str(ROOT / "benchmarks" / "results"), "root": str(ROOT), "rows": [ROOT / "a.json", 1.5, None]}
+    assert common.scrub_paths(data) == {"out": "benchmarks/results", "root": ".", "rows": ["a.json", 1.5, None]}
+
+
+def test_write_results_is_scrubbed_atomic_and_has_provenance(tmp_path):
+    prov = common.provenance(["benchmarks/x.py"])
+    paths = common.write_results(tmp_path, "r", {"value": f"{ROOT}/y", "provenance": prov}, "# Title\n\nbody\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]  # no temporary file left behind
+    written = json.loads(paths["json"].read_text())
+    assert next(iter(written)) == "provenance" and written["value"] == "y"
+    md = paths["md"].read_text()
+    assert md.startswith("# Title\n\n> Command: `python benchmarks/x.py`")
+    assert prov["git"]["commit"] is None or prov["git"]["commit"] in md
+    for text in (paths["json"].read_text(), md):
+        assert str(ROOT) not in text and (HOME in ("", "/") or HOME + "/" not in text)
