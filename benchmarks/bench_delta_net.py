@@ -11,7 +11,7 @@ block >= 64 KiB and to trim, so that freed tensors leave RSS and every length st
 Generation: a 2-layer DeltaGPT (n_embd 256, 4 heads) with each token mixer; after prefilling L tokens, the median
 time of 16 single-token steps with the cache, and the size of the cache.
 
-Goals (issue 6): chunkwise >= 5x faster than the recurrent loop at T = 2048; chunkwise time at T = 8192 <= 9x T = 1024;
+Goals: chunkwise >= 5x faster than the recurrent loop at T = 2048; chunkwise time at T = 8192 <= 9x T = 1024;
 DeltaNet time per generated token flat in the context length.
 """
 

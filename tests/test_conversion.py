@@ -201,3 +201,8 @@ def test_unknown_field_error_lists_every_delta_field():
 def test_tokenizer_fixture_is_byte_level():
     """The test texts are turned into ids by their UTF-8 bytes; the GPT-2 tokenizer the CLI copies agrees."""
     assert byte_tokenizer()(SAMPLE_TEXT).input_ids[:128] == HELD_OUT[0].tolist()
+
+
+def test_converting_to_the_delta_net_mixer_is_refused_with_the_reason():
+    with pytest.raises(ConversionError, match=r"token_mixer='delta_net'.*no weights"):
+        ddl_hf.convert_gpt2(gpt2_model(), token_mixer="delta_net")

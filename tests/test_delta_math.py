@@ -36,7 +36,7 @@ def operator_matrix(k: torch.Tensor, beta: float, value_channels: int) -> torch.
 @pytest.mark.parametrize("mode", ["additive", "paper"])
 @pytest.mark.parametrize("value_channels", [1, 3])
 def test_delta_residual_matches_dense_operator(mode: str, value_channels: int) -> None:
-    """DeltaResidual == A X + beta k v^T (+ h 1^T), with A materialised as a d x d matrix (test 2)."""
+    """DeltaResidual == A X + beta k v^T (+ h 1^T), with A materialised as a d x d matrix."""
     config = delta_config(delta_mode=mode, delta_value_channels=value_channels)
     module = ddl_hf.DeltaResidual(config).double()
     with torch.no_grad():

@@ -86,6 +86,12 @@ def _delta_config(gpt2_config: GPT2Config, overrides: dict) -> DeltaGPTConfig:
         config = DeltaGPTConfig(**{**fields, **overrides})
     except ValueError as error:
         raise ConversionError(f"Invalid DeltaGPT setting: {error}") from error
+    if config.token_mixer != "attention":
+        raise ConversionError(
+            f"token_mixer={config.token_mixer!r} replaces GPT-2's attention by a layer a GPT-2 checkpoint has no "
+            "weights for, so the converted model could not start from the source's function. Convert with the "
+            "default token_mixer='attention', or train a token_mixer='delta_net' model from a DeltaGPTConfig."
+        )
     config._attn_implementation = gpt2_config._attn_implementation
     return config
 
