@@ -15,6 +15,7 @@ Self-contained Hub custom-code file: it imports only torch, transformers and its
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -124,7 +125,7 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the new state and beta `[batch, seq_len]`."""
         with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
-            dtype = self.v_proj.weight.dtype
+            dtype = self.beta_open.dtype  # the model's float dtype, also when a quantizer replaced the Linears
             c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
             opening = at_least_float32(self.beta_open)
             # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
@@ -342,18 +343,61 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         return hidden_states
 
 
-def _with_betas(name: str, output_class: type) -> type:
-    """transformers' `output_class` plus one field, `betas`: with `output_betas=True`, one `[batch_size, seq_len]`
-    tensor per Delta block, two per layer (attention, then MLP). One definition for the four heads' outputs."""
-    namespace = {"__annotations__": {"betas": "tuple[torch.FloatTensor, ...] | None"}, "betas": None}
-    namespace.update(__module__=__name__, __qualname__=name, __doc__=_with_betas.__doc__)
+def _with_delta_outputs(name: str, output_class: type) -> type:
+    """transformers' `output_class` plus DeltaGPT's two outputs. One definition for the four heads' outputs.
+
+    betas (with `output_betas=True`): one `[batch_size, seq_len]` tensor per Delta block, two per layer (attention,
+        then MLP).
+    expanded_states (with `output_expanded_states=True`, `delta_value_channels > 1` only): the residual state
+        `[batch_size, seq_len, hidden_size, d_v]` entering the first layer and leaving every layer
+        (`num_hidden_layers + 1` tensors). `hidden_states` keeps transformers' `[batch_size, seq_len, hidden_size]`.
+    """
+    fields = ("betas", "expanded_states")
+    namespace = {"__annotations__": dict.fromkeys(fields, "tuple[torch.FloatTensor, ...] | None")}
+    namespace.update(dict.fromkeys(fields), __module__=__name__, __qualname__=name, __doc__=_with_delta_outputs.__doc__)
     return dataclass(type(name, (output_class,), namespace))
 
 
-DeltaGPTModelOutput = _with_betas("DeltaGPTModelOutput", BaseModelOutputWithPastAndCrossAttentions)
-DeltaGPTCausalLMOutput = _with_betas("DeltaGPTCausalLMOutput", CausalLMOutputWithCrossAttentions)
-DeltaGPTSequenceClassifierOutput = _with_betas("DeltaGPTSequenceClassifierOutput", SequenceClassifierOutputWithPast)
-DeltaGPTTokenClassifierOutput = _with_betas("DeltaGPTTokenClassifierOutput", TokenClassifierOutput)
+DeltaGPTModelOutput = _with_delta_outputs("DeltaGPTModelOutput", BaseModelOutputWithPastAndCrossAttentions)
+DeltaGPTCausalLMOutput = _with_delta_outputs("DeltaGPTCausalLMOutput", CausalLMOutputWithCrossAttentions)
+DeltaGPTSequenceClassifierOutput = _with_delta_outputs(
+    "DeltaGPTSequenceClassifierOutput", SequenceClassifierOutputWithPast
+)
+DeltaGPTTokenClassifierOutput = _with_delta_outputs("DeltaGPTTokenClassifierOutput", TokenClassifierOutput)
+
+
+def _hidden_states_contract(forward):
+    """Keep transformers' `hidden_states` contract (`[batch, seq_len, hidden_size]`) when the state is expanded.
+
+    With `delta_value_channels > 1` the blocks pass `[.., hidden_size, d_v]` states, which transformers' output
+    recorder would return as they are; generation, assisted decoding and every tool built on `hidden_states` expect
+    `[.., hidden_size]`. Each expanded state X is returned as its read `X w_out` with the model's final read vector
+    (what `ln_f` would receive if the model ended there; the last entry stays the final `last_hidden_state`, as for
+    GPT-2), and the states themselves are an opt-in output of their own, `output_expanded_states=True`.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        want_expanded = bool(kwargs.pop("output_expanded_states", False))
+        if self.value_channels == 1:
+            return forward(self, *args, **kwargs)
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+        want_hidden = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        if want_expanded:
+            kwargs["output_hidden_states"] = True
+        outputs = forward(self, *args, return_dict=True, **kwargs)
+        (final_state,) = outputs.expanded_states  # the forward hands the last state over here
+        states = outputs.hidden_states  # the expanded states, the last one tied to `last_hidden_state`
+        fields = {key: value for key, value in outputs.items() if key not in ("hidden_states", "expanded_states")}
+        if want_expanded:
+            fields["expanded_states"] = (*states[:-1], final_state)
+        if want_hidden and states is not None:
+            read = self.read_out.to(final_state.dtype)
+            fields["hidden_states"] = tuple(x @ read if x is not None and x.dim() == 4 else x for x in states)
+        outputs = type(outputs)(**fields)
+        return outputs if return_dict else outputs.to_tuple()
+
+    return wrapper
 
 
 class DeltaSite(NamedTuple):
@@ -477,6 +521,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         self.wte = new_embeddings
 
     @merge_with_config_defaults
+    @_hidden_states_contract
     @capture_outputs
     def forward(
         self,
@@ -491,12 +536,13 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
     ) -> DeltaGPTModelOutput:
         r"""
         Same inputs as `GPT2Model.forward`. `output_betas=True` returns `betas`: one `[batch, seq_len]` tensor per
-        Delta block. With `delta_value_channels > 1`, `hidden_states` holds the expanded states `[.., D, d_v]`.
+        Delta block. With `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of the expanded
+        states, and `output_expanded_states=True` returns the states `[.., hidden_size, d_v]` themselves.
 
         A copy of `GPT2Model.forward` (embeddings, mask, blocks, `ln_f`) except for three Delta steps: the cache
         of a DeltaNet mixer, the expansion of the embedding over the value channels, and the read-out before `ln_f`.
         """
-        for flag in ("output_attentions", "output_hidden_states", "output_betas"):
+        for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
             kwargs.pop(flag, None)
 
         if input_ids is not None and inputs_embeds is not None:
@@ -557,6 +603,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 **kwargs,
             )
 
+        final_state = hidden_states
         if self.value_channels > 1:
             hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
         hidden_states = self.ln_f(hidden_states)
@@ -565,6 +612,8 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         return DeltaGPTModelOutput(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
+            # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
+            expanded_states=(final_state,) if self.value_channels > 1 else None,
         )
 
     def _check_inputs(
@@ -672,6 +721,7 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             betas=outputs.betas,
+            expanded_states=outputs.expanded_states,
         )
 
 
@@ -736,6 +786,7 @@ class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             betas=outputs.betas,
+            expanded_states=outputs.expanded_states,
         )
 
 
@@ -786,6 +837,7 @@ class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             betas=outputs.betas,
+            expanded_states=outputs.expanded_states,
         )
 
 

@@ -151,17 +151,55 @@ def test_sequence_and_token_classification_heads() -> None:
 
 def test_outputs_hidden_states_attentions_and_betas() -> None:
     model = delta_model(delta_value_channels=3, attn_implementation="eager")
+    open_gates(model)
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     out = model(ids, output_hidden_states=True, output_attentions=True, output_betas=True)
     n_layer, d = model.config.n_layer, model.config.n_embd
+    # transformers' contract: n_layer + 1 states of [batch, seq, hidden], the last one post-ln_f as in GPT-2.
     assert len(out.hidden_states) == n_layer + 1
-    assert out.hidden_states[0].shape == (2, 6, d, 3)  # expanded state: embedding repeated over value channels
-    assert torch.equal(out.hidden_states[0][..., 0], out.hidden_states[0][..., 2])
-    assert out.hidden_states[-1].shape == (2, 6, d)  # post-ln_f, as in GPT-2
+    assert all(h.shape == (2, 6, d) for h in out.hidden_states)
+    torch.testing.assert_close(out.hidden_states[-1], model.transformer(ids).last_hidden_state, rtol=0, atol=0)
+    assert out.expanded_states is None  # opt-in
     assert len(out.attentions) == n_layer and out.attentions[0].shape == (2, model.config.n_head, 6, 6)
     assert len(out.betas) == 2 * n_layer and all(b.shape == (2, 6) for b in out.betas)
     plain = model(ids)
-    assert plain.betas is None and plain.hidden_states is None
+    assert plain.betas is None and plain.hidden_states is None and plain.expanded_states is None
+
+
+def test_expanded_states_are_an_opt_in_output_and_hidden_states_their_reads() -> None:
+    model = delta_model(delta_value_channels=3)
+    open_gates(model)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    out = model(ids, output_expanded_states=True, output_hidden_states=True)
+    n_layer, d = model.config.n_layer, model.config.n_embd
+    assert len(out.expanded_states) == n_layer + 1 and all(x.shape == (2, 6, d, 3) for x in out.expanded_states)
+    # X_0: the embedding repeated over the value channels, computed here from the embedding tables.
+    positions = torch.arange(6)
+    embedding = model.transformer.wte(ids) + model.transformer.wpe(positions)
+    torch.testing.assert_close(out.expanded_states[0], embedding.unsqueeze(-1).expand(2, 6, d, 3), rtol=0, atol=0)
+    # Every hidden state but the last is its expanded state read with the final read vector.
+    read = model.transformer.read_out
+    for hidden, expanded in zip(out.hidden_states[:-1], out.expanded_states[:-1]):
+        torch.testing.assert_close(hidden, expanded @ read, rtol=0, atol=0)
+    # The final expanded state, read and normed, is what the LM head sees.
+    final = model.transformer.ln_f(out.expanded_states[-1] @ read)
+    torch.testing.assert_close(final, out.hidden_states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head(final), out.logits, rtol=0, atol=0)
+    as_tuple = model(ids, output_expanded_states=True, return_dict=False)
+    assert len(as_tuple) == 3 and len(as_tuple[2]) == n_layer + 1  # logits, cache, expanded states
+
+
+def test_generate_with_hidden_states_and_assisted_decoding_for_expanded_states() -> None:
+    model = delta_model(delta_value_channels=4)
+    open_gates(model)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    greedy = model.generate(prompt, output_hidden_states=True, return_dict_in_generate=True, **kwargs)
+    d = model.config.n_embd
+    assert all(h.shape[-1] == d and h.dim() == 3 for step in greedy.hidden_states for h in step)
+    assistant = delta_model(seed=1, delta_value_channels=4)  # a different model: some drafts are rejected
+    assisted = model.generate(prompt, assistant_model=assistant, **kwargs)
+    assert torch.equal(assisted, greedy.sequences)
 
 
 def test_tied_embeddings_and_resize_token_embeddings() -> None:
