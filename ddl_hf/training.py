@@ -41,7 +41,9 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("DDL_HF_CACHE", Path.home() / ".cache" /
 
 def is_delta_parameter(name: str) -> bool:
     """True for the parameters DeltaGPT adds to GPT-2 (gates, values, read vectors), under any wrapper prefix."""
-    return "attn_delta." in name or "mlp_delta." in name or name.endswith("read_out") or ".read_out." in name
+    if "attn_delta." in name or "mlp_delta." in name or "read_out_conv." in name or "embed_expand." in name:
+        return True
+    return name.endswith("read_out") or ".read_out." in name
 
 
 class DeltaTrainer(Trainer):
