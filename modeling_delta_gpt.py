@@ -179,7 +179,7 @@ class DeltaWindowsMixin:
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         for key, window in self.delta_windows.items():
-            keep = window.shape[1] + tokens_to_remove if tokens_to_remove < 0 else self.delta_history
+            keep = window.shape[1] + min(tokens_to_remove, 0)  # crop(0): just shrink back to K - 1 entries
             if keep < self.delta_history:
                 raise ValueError(
                     f"Cannot crop {-tokens_to_remove} tokens from the Delta convolution window {key!r}: it holds only "
