@@ -240,6 +240,21 @@ def channel_conv(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """The `[D, d_v]` weight w with `channel_conv(x, weight) @ read == (x * w).sum(-1)`: CC then the read vector in
+    one pass over the state (the model's fast path; `channel_conv` is its readable reference).
+
+    `w[d, c] = sum_j weight[d, j] * read[c + p - j]` (zero outside [0, d_v)): each input channel collects the read
+    weights of the outputs its taps reach.
+    """
+    size, channels = weight.shape[-1], read.shape[-1]
+    left = (size - 1) // 2
+    padded = nn.functional.pad(read, (size - 1 - left, left))  # padded[i] = read[i - (size - 1 - left)]
+    # shifted[j, c] = read[c + left - j] = padded[c + size - 1 - j]
+    shifted = torch.stack([padded[size - 1 - j : size - 1 - j + channels] for j in range(size)])
+    return weight @ shifted.to(weight.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # DeltaNet: the delta rule over time (paper §4.2), as a token mixer that can replace GPT-2's attention.
 #
@@ -355,6 +370,7 @@ def delta_rule_chunkwise(
 
 __all__ = [
     "channel_conv",
+    "channel_conv_read_weight",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",

@@ -43,6 +43,7 @@ from .configuration_delta_gpt import DeltaGPTConfig
 from .delta_ops import (
     at_least_float32,
     channel_conv,
+    channel_conv_read_weight,
     delta_rule_chunkwise,
     delta_rule_recurrent,
     delta_update,
@@ -104,6 +105,16 @@ class DeltaStateConv(nn.Module):
         weight = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
         weight[..., self.size - 1 if self.kind == "temporal_conv" else (self.size - 1) // 2] = 1.0
         return weight
+
+    def read(
+        self, state: torch.Tensor, read: torch.Tensor | None, context: DeltaConvContext | None, key: str
+    ) -> torch.Tensor:
+        """The convolution, then the read vector (None for d_v = 1): `[..., D, d_v]` -> `[..., D]`. CC folds both
+        into one `[D, d_v]` weight (`channel_conv_read_weight`): one pass over the state instead of 2K + 1."""
+        if self.kind == "channel_conv":
+            return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
+        state = self(state, context, key)
+        return state if read is None else state @ read.to(state.dtype)
 
     def forward(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
         if self.kind == "channel_conv":
@@ -274,7 +285,7 @@ class DeltaResidual(nn.Module):
         """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels, after the
         TC / CC convolution if any (`context` and `key` locate its cached window when generating)."""
         if self.read_conv is not None:
-            state = self.read_conv(state, context, key)
+            return self.read_conv.read(state, getattr(self, "read_weights", None), context, key)
         if self.value_channels == 1:
             return state
         return state @ self.read_weights.to(state.dtype)
@@ -787,8 +798,9 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             )
 
         if self.read_out_conv is not None:
-            hidden_states = self.read_out_conv(hidden_states, delta_context, "read_out")
-        if self.value_channels > 1:
+            read = self.read_out if self.value_channels > 1 else None
+            hidden_states = self.read_out_conv.read(hidden_states, read, delta_context, "read_out")
+        elif self.value_channels > 1:
             hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
         hidden_states = self.ln_f(hidden_states)
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))

@@ -8,7 +8,7 @@ import torch
 from conftest import VOCAB, open_gates, tiny_delta
 
 import ddl_hf
-from ddl_hf.delta_ops import channel_conv, temporal_conv
+from ddl_hf.delta_ops import channel_conv, channel_conv_read_weight, temporal_conv
 from ddl_hf.modeling_delta_gpt import DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,6 +59,10 @@ def test_channel_conv_matches_a_plain_loop(channels: int, size: int) -> None:
             if 0 <= c < channels:
                 expected[..., o] += weight[:, j] * state[..., c]
     torch.testing.assert_close(channel_conv(state, weight), expected, rtol=0, atol=1e-12)
+    # The model's fast path folds the convolution and the read vector into one [D, d_v] weight.
+    read = torch.randn(channels, generator=g, dtype=torch.float64)
+    folded = (state * channel_conv_read_weight(weight, read)).sum(-1)
+    torch.testing.assert_close(folded, expected @ read, rtol=0, atol=1e-12)
 
 
 def test_model_reads_are_the_convolution_then_the_read_vector() -> None:
