@@ -113,8 +113,11 @@ class DeltaStateConv(nn.Module):
         into one `[D, d_v]` weight (`channel_conv_read_weight`): one pass over the state instead of 2K + 1."""
         if self.kind == "channel_conv":
             return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
-        state = self(state, context, key)
-        return state if read is None else state @ read.to(state.dtype)
+        if read is None or state.dim() != 4:
+            return self(state, context, key)
+        # TC: the read vector scales the kernels (W r), so the [.., D, d_v] conv output need not be kept for backward.
+        history = (context or DeltaConvContext()).history(state, key, self.size)
+        return temporal_conv(history, self.weight * read[:, None]).sum(-1)
 
     def forward(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
         if self.kind == "channel_conv":
