@@ -328,18 +328,21 @@ def main() -> None:
     parser.add_argument(
         "--paper-variants", action="store_true", help="add one paper-mode row per variant of docs/variants.md"
     )
+    parser.add_argument("--skip-additive", action="store_true", help="leave out the additive-mode rows")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
 
     shapes = args.shapes or (["tiny"] if args.quick else ["tiny", "gpt2-small"])
     results = {"machine": machine(), "quick": args.quick, "rows": []}
+    name = args.name or ("overhead_quick" if args.quick else "overhead")
+    args.out.mkdir(parents=True, exist_ok=True)
     for shape_name in shapes:
         small = shape_name == "tiny"
         pairs = args.pairs or (25 if args.quick else (9 if small else 5))
         gen_pairs = args.pairs or (15 if args.quick else (6 if small else 3))
         gen_tokens = 16 if args.quick else (32 if small else 24)
-        runs = [(d_v, mode, "", {}) for d_v, mode in DELTA_VARIANTS]
+        runs = [(d_v, mode, "", {}) for d_v, mode in DELTA_VARIANTS if not (args.skip_additive and mode == "additive")]
         if args.paper_variants:
             runs += [(d_v, "paper", name, fields) for d_v, name, fields in PAPER_VARIANTS]
         for value_channels, mode, variant, fields in runs:
@@ -353,9 +356,9 @@ def main() -> None:
                 f"params {row['params']['ratio']:.5f}  ({time.perf_counter() - start:.0f}s)",
                 flush=True,
             )
+            # Written after every row, so that a long run stopped early keeps what it measured.
+            (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
-    name = args.name or ("overhead_quick" if args.quick else "overhead")
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / f"{name}.md").write_text(markdown(results))
     print(markdown(results))
