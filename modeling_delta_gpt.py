@@ -168,7 +168,8 @@ class DeltaWindowsMixin:
         self.delta_windows[key] = window
 
     def delta_window_bytes(self) -> int:
-        """Bytes held by the windows now (K - 1 entries each between decoding steps; no growth with context)."""
+        """Bytes held by the windows now: K entries each between decoding steps (the K - 1 kept and the last token),
+        whatever the context length."""
         return sum(w.numel() * w.element_size() for w in self.delta_windows.values())
 
     def reset(self) -> None:

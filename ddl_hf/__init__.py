@@ -36,6 +36,7 @@ from .modeling_delta_gpt import (
     DeltaNetAttention,
     DeltaNetCache,
     DeltaResidual,
+    DeltaStateCache,
 )
 
 __version__ = "0.1.0"
@@ -74,6 +75,7 @@ __all__ = [
     "DeltaNetAttention",
     "DeltaNetCache",
     "DeltaResidual",
+    "DeltaStateCache",
     "DeltaStatsCallback",
     "DeltaTrainer",
     "EquivalenceReport",
