@@ -14,6 +14,15 @@ DELTA_MODES = ("additive", "paper")
 DELTA_GATES = ("linear", "mlp")
 TOKEN_MIXERS = ("attention", "delta_net")
 DELTA_NET_RULES = ("delta", "write_only")
+# The paper's variants (the authors' reference code names them TC, CC, EC and "constant value"; docs/variants.md).
+DELTA_STATE_READS = ("linear", "temporal_conv", "channel_conv")
+DELTA_EMBED_EXPANDS = ("repeat", "conv")
+DELTA_VALUES = ("linear", "constant")
+# How new Delta parameters start: "exact" (beta = delta_beta_init, default 0, and identity convolutions, so a
+# converted GPT-2 is reproduced exactly) or "reference" (the authors' from-scratch choices: beta = 1, averaging
+# convolutions). None (auto) = "exact" for parameters a loaded checkpoint lacks, "reference" for a model built
+# from its config.
+DELTA_INITS = ("exact", "reference")
 # Old spellings still accepted, with a FutureWarning: {old: new}.
 DELTA_NET_RULE_ALIASES = {"additive": "write_only"}
 
@@ -49,9 +58,34 @@ class DeltaGPTConfig(GPT2Config):
             `"paper"` is eq. 2.5 of the paper (beta = 0 makes every block the identity).
         delta_value_channels (`int`, defaults to 1):
             d_v, the number of value channels of the residual state (1 = vector state, >1 = expanded matrix state).
-        delta_beta_init (`float`, defaults to 0.0):
+        delta_beta_init (`float`, *optional*):
             Initial beta of every Delta block, in [0, 2]; 0.0 starts as GPT-2 (additive) or as the identity (paper).
             Exact for values in [0, 1] and for 2; in (1, 2) it goes through a sigmoid and is exact to float rounding.
+            None (default) = the `delta_init` scheme's value: 0.0 for `"exact"`, 1.0 (the reference code's) for
+            `"reference"`; the model writes the value it used back into the config.
+        delta_init (`str`, *optional*):
+            `"exact"`: beta = `delta_beta_init` (0.0) and identity convolutions, so a converted GPT-2 is reproduced bit
+            for bit. `"reference"`: the authors' from-scratch defaults (beta = 1.0, temporal/channel read convolutions
+            start as an average), so a from-scratch paper-mode model is not a stack of identity blocks.
+            None (default, auto) = `"exact"` for Delta parameters that a loaded checkpoint lacks (conversion,
+            `from_pretrained` of a GPT-2 checkpoint) and `"reference"` for a model built from its config; the model
+            writes the scheme it used back into the config.
+        delta_state_read (`str`, defaults to `"linear"`):
+            How a sublayer reads the expanded state (and how the final state is read before `ln_f`): `"linear"` (the
+            read vector), `"temporal_conv"` (the reference's TC: a causal depthwise convolution over the last
+            `delta_conv_size` tokens, then the read vector) or `"channel_conv"` (CC: a convolution across the d_v
+            value channels, then the read vector; needs d_v > 1 and `delta_conv_size <= d_v`).
+        delta_embed_expand (`str`, defaults to `"repeat"`):
+            How the embedding becomes the d x d_v state: `"repeat"` over the channels, or `"conv"` (EC: a causal
+            depthwise convolution over time with one kernel per value channel; needs d_v > 1).
+        delta_conv_size (`int`, defaults to 4):
+            Kernel size of the variant convolutions (tokens for the temporal ones, channels for `"channel_conv"`).
+        delta_value (`str`, defaults to `"linear"`):
+            `"linear"` v = W_v c, or `"constant"` v = `delta_value_constant` in every channel (no parameters).
+        delta_value_constant (`float`, defaults to 2.0):
+            The value written by `delta_value="constant"`.
+        delta_erase (`bool`, defaults to `True`):
+            False drops the erase term: the write-only ablation X' = X + beta k v^T (+ h 1^T in additive mode).
         delta_gate (`str`, defaults to `"linear"`):
             `"linear"` gate logit `w^T c + b`, or `"mlp"` for the paper's eq. A.2 `w^T tanh(W_in c)`.
         delta_gate_hidden_size (`int`, defaults to 64):
@@ -83,7 +117,14 @@ class DeltaGPTConfig(GPT2Config):
 
     delta_mode: str = "additive"
     delta_value_channels: int = 1
-    delta_beta_init: float = 0.0
+    delta_beta_init: float | None = None
+    delta_init: str | None = None
+    delta_state_read: str = "linear"
+    delta_embed_expand: str = "repeat"
+    delta_conv_size: int = 4
+    delta_value: str = "linear"
+    delta_value_constant: float = 2.0
+    delta_erase: bool = True
     delta_gate: str = "linear"
     delta_gate_hidden_size: int = 64
     delta_eps: float = 1e-6
@@ -125,8 +166,18 @@ class DeltaGPTConfig(GPT2Config):
             fail("delta_value_channels", "expected an integer >= 1")
         if self.delta_value_channels < 1:
             fail("delta_value_channels", "expected an integer >= 1")
-        if not isinstance(self.delta_beta_init, (int, float)) or not 0.0 <= self.delta_beta_init <= 2.0:
-            fail("delta_beta_init", "expected a number in [0, 2] (0 = identity/GPT-2, 1 = projection, 2 = reflection)")
+        if self.delta_beta_init is not None and (
+            isinstance(self.delta_beta_init, bool)
+            or not isinstance(self.delta_beta_init, (int, float))
+            or not 0.0 <= self.delta_beta_init <= 2.0
+        ):
+            fail(
+                "delta_beta_init",
+                "expected a number in [0, 2] (0 = identity/GPT-2, 1 = projection, 2 = reflection), "
+                "or None for the delta_init scheme's value",
+            )
+        if self.delta_init is not None and self.delta_init not in DELTA_INITS:
+            fail("delta_init", f"expected None (auto) or one of {DELTA_INITS}")
         if self.delta_gate not in DELTA_GATES:
             fail("delta_gate", f"expected one of {DELTA_GATES}")
         if isinstance(self.delta_gate_hidden_size, bool) or not isinstance(self.delta_gate_hidden_size, int):
@@ -135,9 +186,44 @@ class DeltaGPTConfig(GPT2Config):
             fail("delta_gate_hidden_size", "expected an integer >= 1")
         if not isinstance(self.delta_eps, (int, float)) or not (self.delta_eps > 0 and math.isfinite(self.delta_eps)):
             fail("delta_eps", "expected a finite number > 0")
+        self.validate_variants()
         if self.add_cross_attention:
             fail("add_cross_attention", "DeltaGPT is a decoder-only model; cross-attention is not supported")
         self.validate_token_mixer()
+
+    def validate_variants(self) -> None:
+        """The paper's variants (docs/variants.md): a ValueError naming the field, the value and what is allowed."""
+
+        def fail(field: str, allowed: str) -> None:
+            raise ValueError(f"DeltaGPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
+
+        value_channels = self.delta_value_channels
+        if self.delta_state_read not in DELTA_STATE_READS:
+            fail("delta_state_read", f"expected one of {DELTA_STATE_READS}")
+        if self.delta_embed_expand not in DELTA_EMBED_EXPANDS:
+            fail("delta_embed_expand", f"expected one of {DELTA_EMBED_EXPANDS}")
+        size = self.delta_conv_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            fail("delta_conv_size", "expected an integer >= 1")
+        if self.delta_state_read == "channel_conv":
+            if value_channels < 2:
+                fail("delta_state_read", "'channel_conv' mixes value channels: needs delta_value_channels > 1")
+            if size > value_channels:
+                fail("delta_conv_size", f"expected <= delta_value_channels={value_channels} for 'channel_conv'")
+        if self.delta_embed_expand == "conv" and value_channels < 2:
+            fail("delta_embed_expand", "'conv' fills the value channels: needs delta_value_channels > 1")
+        if self.delta_value not in DELTA_VALUES:
+            fail("delta_value", f"expected one of {DELTA_VALUES}")
+        constant = self.delta_value_constant
+        if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
+            fail("delta_value_constant", "expected a finite number")
+        if not isinstance(self.delta_erase, bool):
+            fail("delta_erase", "expected True (erase and write) or False (write-only: X' = X + beta k v^T)")
+
+    @property
+    def delta_temporal(self) -> bool:
+        """Whether a variant convolves over tokens, so that generation must cache recent states or embeddings."""
+        return self.delta_state_read == "temporal_conv" or self.delta_embed_expand == "conv"
 
     def validate_token_mixer(self) -> None:
         """The token mixer fields: a ValueError naming the field, the value and what is allowed."""

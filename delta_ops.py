@@ -28,6 +28,7 @@ def delta_update(
     beta: torch.Tensor,
     value: torch.Tensor,
     branch_output: torch.Tensor | None = None,
+    erase: bool = True,
 ) -> torch.Tensor:
     """Delta residual write (paper eq. 2.5): `X + beta k (v^T - k^T X)`, plus `F(x) 1^T` in additive mode.
 
@@ -37,14 +38,18 @@ def delta_update(
         beta: gate, `[...]`, float32.
         value: written value v, `[..., d_v]`, float32.
         branch_output: the sublayer output h `[..., D]` for the additive mode, None for the paper mode.
+        erase: False drops `- k^T X`: the write-only ablation `X + beta k v^T` (the authors list it as open work).
 
     `k^T X` and the rank-1 coefficient are formed in k's dtype (float32 or wider); the result has the state's
     dtype. When beta is exactly 0 the Delta term is exactly 0, so the additive mode returns `X + h` bit for bit.
     """
     expanded = state.dim() == k.dim() + 1
     x = state if expanded else state.unsqueeze(-1)  # [..., D, d_v]
-    k_dot_x = torch.einsum("...d,...dv->...v", k, at_least_float32(x))  # erase: the state's coordinate along k
-    coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
+    if erase:
+        k_dot_x = torch.einsum("...d,...dv->...v", k, at_least_float32(x))  # erase: the state's coordinate along k
+        coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
+    else:
+        coefficient = beta.unsqueeze(-1) * value  # write only
     delta = (k.unsqueeze(-1) * coefficient.unsqueeze(-2)).to(state.dtype)  # rank-1: k (beta (v - k^T X))^T
     new_state = x if branch_output is None else x + branch_output.unsqueeze(-1)
     new_state = new_state + delta
@@ -86,6 +91,7 @@ def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Te
 #     dk = g c - X (beta k^T g),  c = beta (v - k^T X)
 #     dh = g s + X (-r beta k^T g) - h r^3 (h^T dk)         (chain rule through k = r h; g 1 is in g s)
 #     dbeta = (k^T g) . (v - k^T X),   dv = beta k^T g
+# Without the erase term (write-only) every `k^T X` above is 0: s = r beta v, dX = g and dh loses its X term.
 
 
 def _dot(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -110,13 +116,24 @@ def _mix(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_delta_forward(
-    state: torch.Tensor, h: torch.Tensor, beta: torch.Tensor, value: torch.Tensor, eps: float, additive: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The new state, r `[..., 1]` and h^T X `[..., d_v]` (the last two are saved for the backward)."""
+    state: torch.Tensor,
+    h: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    eps: float,
+    additive: bool,
+    erase: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The new state, r `[..., 1]` and h^T X `[..., d_v]` (None without erase; the last two are saved for the
+    backward)."""
     hf = at_least_float32(h)
     r = torch.rsqrt((hf * hf).sum(-1, keepdim=True) + eps * eps)
-    hx = _dot(hf, at_least_float32(state))
-    scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
+    if erase:
+        hx = _dot(hf, at_least_float32(state))
+        scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
+    else:
+        hx = None
+        scale = (r * beta.unsqueeze(-1)) * value  # r beta v
     if additive:
         scale = scale + 1.0  # exactly 1 when beta == 0, so X' == X + h bit for bit
     out = torch.addcmul(state, *_outer(h, scale, state))
@@ -128,33 +145,37 @@ class _FusedDeltaUpdate(torch.autograd.Function):
     """One autograd node per Delta block with a hand-derived backward (see the formulas above)."""
 
     @staticmethod
-    def forward(ctx, state, h, beta, value, eps, additive):
-        out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive)
-        ctx.save_for_backward(state, h, beta, value, r, hx)
-        ctx.additive = additive
+    def forward(ctx, state, h, beta, value, eps, additive, erase):
+        out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive, erase)
+        # Write-only never reads X after the forward pass: it is not saved.
+        ctx.save_for_backward(state if erase else None, h, beta, value, r, hx)
+        ctx.additive, ctx.erase, ctx.state_dtype = additive, erase, state.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         state, h, beta, value, r, hx = ctx.saved_tensors
+        erase = ctx.erase
         g, hf = at_least_float32(grad_out), at_least_float32(h)
         b = beta.unsqueeze(-1)
         hg = _dot(hf, g)  # h^T g, so k^T g = r hg
-        residual = value - r * hx  # v - k^T X
+        residual = value - r * hx if erase else value  # v - k^T X
         b_kg = b * r * hg  # beta k^T g = dL/dv
         grad_state = grad_h = None
         if ctx.needs_input_grad[0]:
-            grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)).to(state.dtype)
+            grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)) if erase else g
+            grad_state = grad_state.to(ctx.state_dtype)
         if ctx.needs_input_grad[1]:
             coef = b * residual
             scale = r * coef + 1.0 if ctx.additive else r * coef
-            h_dot_dk = (hg * coef - hx * b_kg).sum(-1, keepdim=True)
-            x = at_least_float32(state)
-            grad_h = _mix(g, scale) + _mix(x, -r * b_kg) - hf * (r * r * r * h_dot_dk)
+            h_dot_dk = (hg * coef - hx * b_kg if erase else hg * coef).sum(-1, keepdim=True)
+            grad_h = _mix(g, scale) - hf * (r * r * r * h_dot_dk)
+            if erase:
+                grad_h = grad_h + _mix(at_least_float32(state), -r * b_kg)
             grad_h = grad_h.to(h.dtype)
         grad_beta = (r * hg * residual).sum(-1) if ctx.needs_input_grad[2] else None
         grad_value = b_kg if ctx.needs_input_grad[3] else None
-        return grad_state, grad_h, grad_beta, grad_value, None, None
+        return grad_state, grad_h, grad_beta, grad_value, None, None, None
 
 
 def fused_delta_update(
@@ -164,16 +185,74 @@ def fused_delta_update(
     value: torch.Tensor,
     eps: float,
     additive: bool,
+    erase: bool = True,
 ) -> torch.Tensor:
-    """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None)`, fused.
+    """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
 
     Under autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain
     function (no node, fewest ops: what generation runs).
     """
     tensors = (state, branch_output, beta, value)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _FusedDeltaUpdate.apply(*tensors, eps, additive)
-    return _fused_delta_forward(*tensors, eps, additive)[0]
+        return _FusedDeltaUpdate.apply(*tensors, eps, additive, erase)
+    return _fused_delta_forward(*tensors, eps, additive, erase)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reads of the expanded state used by the paper's variants (TC, CC, EC; docs/variants.md): short depthwise
+# convolutions, over tokens or over the value channels. Plain functions like the rest of this file.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def temporal_conv(history: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise convolution over tokens: `y_t = sum_j weight[..., j] * x_{t - K + 1 + j}`.
+
+    Args:
+        history: `[B, K - 1 + T, *channels]`: the K - 1 inputs before the T new ones (zeros at the start of a
+            sequence, the cached ones when decoding), then the T new inputs.
+        weight: `[*channels, K]`, one kernel per channel; the last tap multiplies the current token.
+
+    Returns `[B, T, *channels]`. K shifted multiply-adds (K is small) rather than conv1d: no transposes of the state.
+    """
+    size = weight.shape[-1]
+    steps = history.shape[1] - size + 1
+    weight = weight.to(history.dtype)
+    out = history[:, :steps] * weight[..., 0]
+    for j in range(1, size):
+        out = out + history[:, j : j + steps] * weight[..., j]
+    return out
+
+
+def channel_conv(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Convolution across the d_v value channels, per hidden unit, zero-padded to keep d_v channels.
+
+    `y[..., d, o] = sum_j weight[d, j] * x[..., d, o - p + j]` with p = (K - 1) // 2 (centred, as in the reference
+    code's default non-causal channel convolution); state `[..., D, d_v]`, weight `[D, K]`, K <= d_v.
+    """
+    size = weight.shape[-1]
+    channels = state.shape[-1]
+    left = (size - 1) // 2
+    padded = nn.functional.pad(state, (left, size - 1 - left))
+    weight = weight.to(state.dtype)
+    out = padded[..., :channels] * weight[:, :1]
+    for j in range(1, size):
+        out = out + padded[..., j : j + channels] * weight[:, j : j + 1]
+    return out
+
+
+def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """The `[D, d_v]` weight w with `channel_conv(x, weight) @ read == (x * w).sum(-1)`: CC then the read vector in
+    one pass over the state (the model's fast path; `channel_conv` is its readable reference).
+
+    `w[d, c] = sum_j weight[d, j] * read[c + p - j]` (zero outside [0, d_v)): each input channel collects the read
+    weights of the outputs its taps reach.
+    """
+    size, channels = weight.shape[-1], read.shape[-1]
+    left = (size - 1) // 2
+    padded = nn.functional.pad(read, (size - 1 - left, left))  # padded[i] = read[i - (size - 1 - left)]
+    # shifted[j, c] = read[c + left - j] = padded[c + size - 1 - j]
+    shifted = torch.stack([padded[size - 1 - j : size - 1 - j + channels] for j in range(size)])
+    return weight @ shifted.to(weight.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,10 +369,13 @@ def delta_rule_chunkwise(
 
 
 __all__ = [
+    "channel_conv",
+    "channel_conv_read_weight",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",
     "fused_delta_update",
     "straight_through_clamp",
+    "temporal_conv",
     "unit_direction",
 ]

@@ -43,13 +43,174 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_delta_gpt import DeltaGPTConfig
 from .delta_ops import (
     at_least_float32,
+    channel_conv,
+    channel_conv_read_weight,
     delta_rule_chunkwise,
     delta_rule_recurrent,
     delta_update,
     fused_delta_update,
     straight_through_clamp,
+    temporal_conv,
     unit_direction,
 )
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's variants of reading and expanding the state (docs/variants.md): small modules around delta_ops'
+# convolutions. The temporal ones keep their last `delta_conv_size - 1` inputs in the cache when generating.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeltaConvContext:
+    """What a temporal convolution needs besides its input: the padding mask and the cache holding its windows.
+
+    `token_mask` `[B, T]` (1 = token, 0 = padding): padded positions enter the convolution as zeros, the same as
+    the zeros before the start of a sequence, so a left-padded prompt reads what it reads alone.
+    """
+
+    token_mask: torch.Tensor | None = None
+    cache: DeltaWindowsMixin | None = None
+
+    def history(self, x: torch.Tensor, key: str, size: int) -> torch.Tensor:
+        """`[B, size - 1 + T, ...]`: the previous `size - 1` inputs at `key` (cached, or zeros), then x."""
+        if self.token_mask is not None:
+            mask = self.token_mask[:, -x.shape[1] :].to(x.dtype)
+            x = x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
+        past = self.cache.delta_window(key) if self.cache is not None else None
+        if past is None:
+            past = x.new_zeros(x.shape[0], size - 1, *x.shape[2:])
+        else:
+            past = past[:, past.shape[1] - (size - 1) :].to(x.dtype)
+        history = torch.cat([past, x], dim=1)
+        if self.cache is not None:
+            self.cache.set_delta_window(key, history.detach())
+        return history
+
+
+class DeltaStateConv(nn.Module):
+    """The convolution of a TC (`"temporal_conv"`) or CC (`"channel_conv"`) state read, before the read vector.
+
+    temporal: `weight` `[D, d_v, K]`, a causal depthwise convolution over the last K tokens of each state entry;
+    channel: `weight` `[D, K]`, a convolution across the d_v value channels of each hidden unit.
+    Initialised by the model: the identity (conversion) or an average (the reference code's from-scratch choice).
+    """
+
+    def __init__(self, kind: str, hidden_size: int, value_channels: int, size: int):
+        super().__init__()
+        self.kind, self.size = kind, size
+        shape = (hidden_size, value_channels, size) if kind == "temporal_conv" else (hidden_size, size)
+        self.weight = nn.Parameter(torch.empty(shape))
+
+    def identity(self) -> torch.Tensor:
+        """The weight that makes this convolution the identity: the current token's / own channel's tap is 1."""
+        weight = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+        weight[..., self.size - 1 if self.kind == "temporal_conv" else (self.size - 1) // 2] = 1.0
+        return weight
+
+    def read(
+        self, state: torch.Tensor, read: torch.Tensor | None, context: DeltaConvContext | None, key: str
+    ) -> torch.Tensor:
+        """The convolution, then the read vector (None for d_v = 1): `[..., D, d_v]` -> `[..., D]`. CC folds both
+        into one `[D, d_v]` weight (`channel_conv_read_weight`): one pass over the state instead of 2K + 1."""
+        if self.kind == "channel_conv":
+            return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
+        if read is None or state.dim() != 4:
+            return self(state, context, key)
+        # TC: the read vector scales the kernels (W r), so the [.., D, d_v] conv output need not be kept for backward.
+        history = (context or DeltaConvContext()).history(state, key, self.size)
+        return temporal_conv(history, self.weight * read[:, None]).sum(-1)
+
+    def forward(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
+        if self.kind == "channel_conv":
+            return channel_conv(state, self.weight)
+        weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
+        history = (context or DeltaConvContext()).history(state, key, self.size)
+        return temporal_conv(history, weight)
+
+
+class DeltaEmbedExpand(nn.Module):
+    """EC: the embedding `[B, T, D]` lifted to the state `[B, T, D, d_v]` by a causal depthwise convolution over
+    tokens with one kernel per value channel (`weight` `[D, d_v, K]`); the identity init repeats the embedding."""
+
+    def __init__(self, hidden_size: int, value_channels: int, size: int):
+        super().__init__()
+        self.size, self.value_channels = size, value_channels
+        self.weight = nn.Parameter(torch.empty(hidden_size, value_channels, size))
+
+    def identity(self) -> torch.Tensor:
+        weight = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+        weight[..., -1] = 1.0
+        return weight
+
+    def forward(self, embeddings: torch.Tensor, context: DeltaConvContext | None) -> torch.Tensor:
+        history = (context or DeltaConvContext()).history(embeddings, "embed", self.size)
+        return temporal_conv(history.unsqueeze(-1), self.weight)
+
+
+class DeltaWindowsMixin:
+    """Cache mixin: per temporal convolution, its last `delta_conv_size - 1` inputs, for each sequence in the batch.
+
+    A window holds the inputs of the last forward too (K - 1 + T entries), so that assisted decoding can crop the
+    tokens it rejects; the next forward keeps only the last K - 1. Memory does not grow with the context.
+    """
+
+    delta_history: int = 0
+
+    @property
+    def delta_windows(self) -> dict[str, torch.Tensor]:
+        if "_delta_windows" not in self.__dict__:
+            self._delta_windows = {}
+        return self._delta_windows
+
+    def delta_window(self, key: str) -> torch.Tensor | None:
+        return self.delta_windows.get(key)
+
+    def set_delta_window(self, key: str, window: torch.Tensor) -> None:
+        self.delta_windows[key] = window
+
+    def delta_window_bytes(self) -> int:
+        """Bytes held by the windows now: K entries each between decoding steps (the K - 1 kept and the last token),
+        whatever the context length."""
+        return sum(w.numel() * w.element_size() for w in self.delta_windows.values())
+
+    def reset(self) -> None:
+        super().reset()
+        self.delta_windows.clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        for key, window in self.delta_windows.items():
+            self.delta_windows[key] = window.index_select(0, beam_idx.to(window.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        for key, window in self.delta_windows.items():
+            self.delta_windows[key] = window.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        for key, window in self.delta_windows.items():
+            self.delta_windows[key] = window[indices]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        for key, window in self.delta_windows.items():
+            keep = window.shape[1] + min(tokens_to_remove, 0)  # crop(0): just shrink back to K - 1 entries
+            if keep < self.delta_history:
+                raise ValueError(
+                    f"Cannot crop {-tokens_to_remove} tokens from the Delta convolution window {key!r}: it holds only "
+                    f"the last forward's {window.shape[1] - self.delta_history} tokens."
+                )
+            self.delta_windows[key] = window[:, keep - self.delta_history : keep]
+
+
+class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
+    """The cache of an attention DeltaGPT with a temporal variant (`delta_state_read="temporal_conv"` or
+    `delta_embed_expand="conv"`): transformers' DynamicCache (keys and values) plus the convolution windows."""
+
+    def __init__(self, config: DeltaGPTConfig, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self.delta_history = config.delta_conv_size - 1
 
 
 class DeltaResidual(nn.Module):
@@ -67,8 +228,15 @@ class DeltaResidual(nn.Module):
         self.additive = config.delta_mode == "additive"
         self.eps = config.delta_eps
         self.value_channels = value_channels
+        self.erase = config.delta_erase
         if value_channels > 1:
             self.read_weights = nn.Parameter(torch.empty(value_channels))
+        # TC / CC: a convolution before the read vector (docs/variants.md).
+        self.read_conv = (
+            DeltaStateConv(config.delta_state_read, hidden_size, value_channels, config.delta_conv_size)
+            if config.delta_state_read != "linear"
+            else None
+        )
         if config.delta_gate == "linear":
             self.beta_proj = nn.Linear(hidden_size, 1)
         else:  # the paper's eq. A.2: w^T tanh(W_in c)
@@ -78,7 +246,11 @@ class DeltaResidual(nn.Module):
                 nn.Linear(config.delta_gate_hidden_size, 1),
             )
         self.beta_open = nn.Parameter(torch.empty(()))
-        self.v_proj = nn.Linear(hidden_size, value_channels)
+        if config.delta_value == "linear":
+            self.v_proj = nn.Linear(hidden_size, value_channels)
+        else:  # the reference code's constant value: v = c 1, no parameters
+            self.v_proj = None
+            self.value_constant = float(config.delta_value_constant)
 
     @property
     def gate_output(self) -> nn.Linear:
@@ -114,8 +286,11 @@ class DeltaResidual(nn.Module):
         sigmoid = 1.0 / (1.0 + math.exp(-g_max)) if g_max >= 0 else math.exp(g_max) / (1.0 + math.exp(g_max))
         return 2.0 * rho * sigmoid
 
-    def read(self, state: torch.Tensor) -> torch.Tensor:
-        """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels."""
+    def read(self, state: torch.Tensor, context: DeltaConvContext | None = None, key: str = "") -> torch.Tensor:
+        """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels, after the
+        TC / CC convolution if any (`context` and `key` locate its cached window when generating)."""
+        if self.read_conv is not None:
+            return self.read_conv.read(state, getattr(self, "read_weights", None), context, key)
         if self.value_channels == 1:
             return state
         return state @ self.read_weights.to(state.dtype)
@@ -136,12 +311,16 @@ class DeltaResidual(nn.Module):
             )
             # 2 rho as rho + rho: same bits as 2.0 * rho without wrapping a Python scalar (a dispatch per block).
             beta = torch.sigmoid(at_least_float32(self.beta_proj(c)).squeeze(-1)) * (rho + rho)
-            value = at_least_float32(self.v_proj(c))
+            if self.v_proj is not None:
+                value = at_least_float32(self.v_proj(c))
+            else:
+                value = beta.new_full((*beta.shape, self.value_channels), self.value_constant)
             if self.fused:
-                new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive)
+                new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
             else:
                 k = unit_direction(branch_output, self.eps)
-                new_state = delta_update(state, k, beta, value, branch_output if self.additive else None)
+                branch = branch_output if self.additive else None
+                new_state = delta_update(state, k, beta, value, branch, self.erase)
         return new_state, beta
 
 
@@ -185,7 +364,7 @@ class DeltaNetCacheLayer(LinearAttentionLayer):
                 self.recurrent_states[i] = self.recurrent_states[i][indices]
 
 
-class DeltaNetCache(Cache):
+class DeltaNetCache(DeltaWindowsMixin, Cache):
     """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors.
 
     `DeltaGPTModel` and `generate` create it; pass one yourself as `past_key_values=DeltaNetCache(config)`.
@@ -193,6 +372,7 @@ class DeltaNetCache(Cache):
 
     def __init__(self, config: DeltaGPTConfig):
         super().__init__(layers=[DeltaNetCacheLayer() for _ in range(config.num_hidden_layers)])
+        self.delta_history = config.delta_conv_size - 1
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen_tokens if layer_idx < len(self.layers) else 0
@@ -305,6 +485,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         super().__init__()
         hidden_size = config.hidden_size
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
+        self.layer_idx = layer_idx
 
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         if config.token_mixer == "delta_net":
@@ -326,9 +507,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         use_cache: bool | None = False,
+        delta_context: DeltaConvContext | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        normed = self.ln_1(self.attn_delta.read(hidden_states))
+        normed = self.ln_1(self.attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
         attn_output, _ = self.attn(
             normed,
             past_key_values=past_key_values,
@@ -338,7 +520,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         )
         hidden_states, _ = self.attn_delta(hidden_states, normed, attn_output)
 
-        normed = self.ln_2(self.mlp_delta.read(hidden_states))
+        normed = self.ln_2(self.mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
         hidden_states, _ = self.mlp_delta(hidden_states, normed, self.mlp(normed))
         return hidden_states
 
@@ -441,8 +623,10 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
 
     def delta_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters that a GPT-2 checkpoint does not have (gates, values, read vectors), by name."""
+        prefix = self._base_prefix()
         owners = tuple(f"{site.name}." for site in self._delta_sites())
-        read_out = f"{self._base_prefix()}read_out"
+        owners += (f"{prefix}read_out_conv.", f"{prefix}embed_expand.")
+        read_out = f"{prefix}read_out"
         return {n: p for n, p in self.named_parameters() if n.startswith(owners) or n == read_out}
 
     @torch.no_grad()
@@ -461,6 +645,17 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
             for attr, (residual, norm) in block.delta_residuals().items()
         ]
 
+    def _initialize_missing_keys(self, is_quantized: bool) -> None:
+        """Loading a checkpoint: Delta parameters it lacks (a GPT-2 checkpoint: conversion) get the exact init
+        unless the config asks otherwise, so `delta_init=None` never changes a converted model's function."""
+        resolve_delta_init(self.config, loading=True)
+        super()._initialize_missing_keys(is_quantized)
+
+    def initialize_weights(self) -> None:
+        """Built from its config (from scratch): `delta_init=None` becomes the reference code's init."""
+        resolve_delta_init(self.config, loading=False)
+        super().initialize_weights()
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2's initialisation, plus Delta residuals that start at exactly `config.delta_beta_init`."""
@@ -477,6 +672,7 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
         if isinstance(module, DeltaResidual):
             # beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0 so beta is the same for every
             # token; rho (the opening) and b are set so that beta == delta_beta_init exactly.
+            resolve_delta_init(self.config, loading=False)  # no-op once resolved
             beta0 = float(self.config.delta_beta_init)
             gate_out = module.gate_output
             init.zeros_(gate_out.weight)
@@ -487,12 +683,34 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
                 half = min(beta0 / 2.0, 1.0 - 1e-9)
                 init.constant_(module.beta_open, 1.0)
                 init.constant_(gate_out.bias, math.log(half / (1.0 - half)))
-            init.normal_(module.v_proj.weight, mean=0.0, std=std)
-            init.zeros_(module.v_proj.bias)
+            if module.v_proj is not None:
+                init.normal_(module.v_proj.weight, mean=0.0, std=std)
+                init.zeros_(module.v_proj.bias)
             if module.value_channels > 1:
                 init.constant_(module.read_weights, 1.0 / module.value_channels)
+        if isinstance(module, DeltaStateConv):
+            # exact: the identity (a converted model computes GPT-2); reference: an average over the K taps.
+            if self.config.delta_init == "exact":
+                init.copy_(module.weight, module.identity())
+            else:
+                init.constant_(module.weight, 1.0 / module.size)
+        if isinstance(module, DeltaEmbedExpand):
+            init.copy_(module.weight, module.identity())  # the reference code starts EC as the repeat, too
         if isinstance(module, DeltaGPTModel) and module.config.delta_value_channels > 1:
             init.constant_(module.read_out, 1.0 / module.config.delta_value_channels)
+
+
+def resolve_delta_init(config: DeltaGPTConfig, loading: bool) -> None:
+    """Fill `delta_init=None` (auto) and `delta_beta_init=None` in the config with what the model uses.
+
+    auto = "exact" for Delta parameters a loaded checkpoint lacks (conversion), "reference" for a model built from
+    its config; `delta_beta_init=None` = 0.0 under "exact", 1.0 (the reference code's value) under "reference".
+    Written back so that a saved config says how the model started.
+    """
+    if config.delta_init is None:
+        config.delta_init = "exact" if loading else "reference"
+    if config.delta_beta_init is None:
+        config.delta_beta_init = 0.0 if config.delta_init == "exact" else 1.0
 
 
 class DeltaGPTModel(DeltaGPTPreTrainedModel):
@@ -509,6 +727,16 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         if self.value_channels > 1:
             # Reads the expanded state [.., D, d_v] out to [.., D] before ln_f.
             self.read_out = nn.Parameter(torch.empty(self.value_channels))
+        # TC / CC read the final state like every sublayer's input; EC expands the embedding (docs/variants.md).
+        size = config.delta_conv_size
+        self.read_out_conv = (
+            DeltaStateConv(config.delta_state_read, self.embed_dim, self.value_channels, size)
+            if config.delta_state_read != "linear"
+            else None
+        )
+        self.embed_expand = (
+            DeltaEmbedExpand(self.embed_dim, self.value_channels, size) if config.delta_embed_expand == "conv" else None
+        )
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
 
         self.gradient_checkpointing = False
@@ -559,8 +787,19 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             raise ValueError("You have to specify either input_ids or inputs_embeds")
 
         delta_net = self.config.token_mixer == "delta_net"
+        temporal = self.config.delta_temporal
         if use_cache and past_key_values is None:
-            past_key_values = DeltaNetCache(self.config) if delta_net else DynamicCache(config=self.config)
+            if delta_net:
+                past_key_values = DeltaNetCache(self.config)
+            else:
+                past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
+        if temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
+            raise TypeError(
+                f"delta_state_read={self.config.delta_state_read!r} / delta_embed_expand="
+                f"{self.config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
+                f"got {type(past_key_values).__name__}; pass past_key_values=DeltaStateCache(model.config) or let the "
+                "model create it (use_cache=True)."
+            )
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
 
@@ -575,6 +814,11 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
 
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
+        checkpointing = self.gradient_checkpointing and self.training
+        delta_context = DeltaConvContext(
+            token_mask=attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None,
+            cache=past_key_values if temporal and not checkpointing else None,
+        )
         if delta_net:  # causal by construction: DeltaNet only needs the 2-D padding mask
             if attention_mask is not None and attention_mask.ndim != 2:
                 raise ValueError("token_mixer='delta_net' supports only a 2-D [batch, seq_len] padding mask.")
@@ -589,22 +833,28 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             )
 
         hidden_states = self.drop(hidden_states)
-        if self.value_channels > 1:
+        if self.embed_expand is not None:
+            hidden_states = self.embed_expand(hidden_states, delta_context)
+        elif self.value_channels > 1:
             # X_0 = embedding repeated over the value channels: a view, no copy.
             hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
 
         for block in self.h:
             hidden_states = block(
                 hidden_states,
-                past_key_values if not (self.gradient_checkpointing and self.training) else None,
+                past_key_values if not checkpointing else None,
                 causal_mask,
                 use_cache=use_cache,
                 position_ids=position_ids,
+                delta_context=delta_context,
                 **kwargs,
             )
 
         final_state = hidden_states
-        if self.value_channels > 1:
+        if self.read_out_conv is not None:
+            read = self.read_out if self.value_channels > 1 else None
+            hidden_states = self.read_out_conv.read(hidden_states, read, delta_context, "read_out")
+        elif self.value_channels > 1:
             hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
         hidden_states = self.ln_f(hidden_states)
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
@@ -670,14 +920,16 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate` builds a DynamicCache from the config; a DeltaNet model needs its recurrent-state cache."""
         wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-        if self.config.token_mixer != "delta_net" or not wants_new_cache:
+        delta_net = self.config.token_mixer == "delta_net"
+        if not (delta_net or self.config.delta_temporal) or not wants_new_cache:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
-                "token_mixer='delta_net': its DeltaNetCache is already fixed-size. Leave cache_implementation unset."
+                "token_mixer='delta_net' or a temporal Delta variant (their caches keep recurrent states or "
+                "convolution windows). Leave cache_implementation unset."
             )
-        model_kwargs["past_key_values"] = DeltaNetCache(self.config)
+        model_kwargs["past_key_values"] = DeltaNetCache(self.config) if delta_net else DeltaStateCache(self.config)
 
     @can_return_tuple
     def forward(
@@ -842,11 +1094,14 @@ class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
 
 
 __all__ = [
+    "DeltaEmbedExpand",
     "DeltaGPTForCausalLM",
     "DeltaGPTForSequenceClassification",
     "DeltaGPTForTokenClassification",
     "DeltaGPTModel",
     "DeltaGPTPreTrainedModel",
     "DeltaResidual",
+    "DeltaStateCache",
+    "DeltaStateConv",
     "delta_update",
 ]

@@ -15,6 +15,7 @@ memory only (no Python heap, no malloc fragmentation), which is what the Delta b
 
     python benchmarks/bench_overhead.py            # full run (GPT-2-small shape; ~10-15 min on 2 CPU cores)
     python benchmarks/bench_overhead.py --quick    # tiny shape only, under a minute
+    python benchmarks/bench_overhead.py --quick --paper-variants   # + one row per paper variant (docs/variants.md)
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ SHAPES = {
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
 }
 DELTA_VARIANTS = [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
+# The paper's variants (docs/variants.md), in paper mode as the reference code trains them: (d_v, name, fields).
+PAPER_VARIANTS = [
+    (1, "constant v", dict(delta_value="constant")),
+    (1, "TC", dict(delta_state_read="temporal_conv")),
+    (4, "write-only", dict(delta_erase=False)),
+    (4, "TC", dict(delta_state_read="temporal_conv")),
+    (4, "CC", dict(delta_state_read="channel_conv")),
+    (4, "EC", dict(delta_embed_expand="conv")),
+    (4, "TC+EC", dict(delta_state_read="temporal_conv", delta_embed_expand="conv")),
+    (4, "CC+EC", dict(delta_state_read="channel_conv", delta_embed_expand="conv")),
+]
 
 
 def gpt2_config(shape: dict) -> GPT2Config:
@@ -54,8 +66,10 @@ def gpt2_config(shape: dict) -> GPT2Config:
     )
 
 
-def build_pair(shape: dict, value_channels: int, mode: str) -> tuple[GPT2LMHeadModel, DeltaGPTForCausalLM]:
-    """GPT-2 and a DeltaGPT sharing every GPT-2 weight (the Delta parameters are extra)."""
+def build_pair(
+    shape: dict, value_channels: int, mode: str, fields: dict | None = None
+) -> tuple[GPT2LMHeadModel, DeltaGPTForCausalLM]:
+    """GPT-2 and a DeltaGPT sharing every GPT-2 weight (the Delta parameters are extra); `fields`: variant fields."""
     torch.manual_seed(0)
     base_config = gpt2_config(shape)
     base_config._attn_implementation = "sdpa"
@@ -65,6 +79,7 @@ def build_pair(shape: dict, value_channels: int, mode: str) -> tuple[GPT2LMHeadM
         delta_mode=mode,
         delta_value_channels=value_channels,
         delta_beta_init=0.5,  # no shortcut for beta == 0 exists, but use a generic gate anyway
+        **(fields or {}),
     )
     config._attn_implementation = "sdpa"
     delta = DeltaGPTForCausalLM(config)
@@ -191,12 +206,22 @@ def forward_fn(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def bench_variant(shape_name: str, value_channels: int, mode: str, pairs: int, gen_pairs: int, gen_tokens: int) -> dict:
+def bench_variant(
+    shape_name: str,
+    value_channels: int,
+    mode: str,
+    pairs: int,
+    gen_pairs: int,
+    gen_tokens: int,
+    variant: str = "",
+    fields: dict | None = None,
+) -> dict:
     shape = SHAPES[shape_name]
-    gpt2, delta = build_pair(shape, value_channels, mode)
+    gpt2, delta = build_pair(shape, value_channels, mode, fields)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
     row = {"shape": shape_name, **shape, "d_v": value_channels, "mode": mode, "torch_threads": torch.get_num_threads()}
+    row["variant"], row["fields"] = variant, dict(fields or {})
     row["params"] = {"gpt2": n_params(gpt2), "delta": n_params(delta), "ratio": n_params(delta) / n_params(gpt2)}
 
     step_a, opt_a = train_step_fn(gpt2, ids)
@@ -232,22 +257,24 @@ def markdown(results: dict) -> str:
         "Ratios are DeltaGPT / GPT-2 of process CPU time (lower is better; generation: time per token), median "
         "of interleaved pairs; peak memory and saved activations at the memory batch.",
         "",
-        "| shape | d_v | mode | train step | inference fwd | gen/token b=1 | gen/token b=8 | peak train mem "
-        "| saved activations | params |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | d_v | mode | variant | train step | inference fwd | gen/token b=1 | gen/token b=8 "
+        "| peak train mem | saved activations | params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         lines.append(
             f"| {r['shape']} (L{r['n_layer']} D{r['n_embd']} T{r['seq']} B{r['batch']}, memory B{r['memory_batch']}) "
-            f"| {r['d_v']} | {r['mode']} "
+            f"| {r['d_v']} | {r['mode']} | {r.get('variant') or '-'} "
             f"| {r['train_step']['ratio']:.3f} | {r['inference_forward']['ratio']:.3f} "
             f"| {r['generation_b1']['ratio']:.3f} | {r['generation_b8']['ratio']:.3f} "
             f"| {r['peak_train_memory']['ratio']:.3f} | {r['saved_activations']['ratio']:.3f} "
             f"| {r['params']['ratio']:.5f} |"
         )
     lines += ["", "Absolute medians (GPT-2 → DeltaGPT):", ""]
-    lines += ["| shape | d_v | mode | train step s | inference fwd s | gen b=1 tok/s | gen b=8 tok/s | peak MB |"]
-    lines += ["|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| shape | d_v | mode | variant | train step s | inference fwd s | gen b=1 tok/s | gen b=8 tok/s | peak MB |"
+    ]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         t, f, g1, g8, m = (
             r["train_step"],
@@ -257,7 +284,8 @@ def markdown(results: dict) -> str:
             r["peak_train_memory"],
         )
         lines.append(
-            f"| {r['shape']} | {r['d_v']} | {r['mode']} | {t['gpt2_s']:.3f} → {t['delta_s']:.3f} "
+            f"| {r['shape']} | {r['d_v']} | {r['mode']} | {r.get('variant') or '-'} "
+            f"| {t['gpt2_s']:.3f} → {t['delta_s']:.3f} "
             f"| {f['gpt2_s']:.4f} → {f['delta_s']:.4f} "
             f"| {g1['gpt2_tokens_per_s']:.1f} → {g1['delta_tokens_per_s']:.1f} "
             f"| {g8['gpt2_tokens_per_s']:.1f} → {g8['delta_tokens_per_s']:.1f} "
@@ -274,31 +302,39 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is per process)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", default=None, help="basename of the result files")
+    parser.add_argument(
+        "--paper-variants", action="store_true", help="add one paper-mode row per variant of docs/variants.md"
+    )
+    parser.add_argument("--skip-additive", action="store_true", help="leave out the additive-mode rows")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
 
     shapes = args.shapes or (["tiny"] if args.quick else ["tiny", "gpt2-small"])
     results = {"provenance": provenance(), "quick": args.quick, "rows": []}
+    name = args.name or ("overhead_quick" if args.quick else "overhead")
     for shape_name in shapes:
         small = shape_name == "tiny"
         pairs = args.pairs or (25 if args.quick else (9 if small else 5))
         gen_pairs = args.pairs or (15 if args.quick else (6 if small else 3))
         gen_tokens = 16 if args.quick else (32 if small else 24)
-        for value_channels, mode in DELTA_VARIANTS:
+        runs = [(d_v, mode, "", {}) for d_v, mode in DELTA_VARIANTS if not (args.skip_additive and mode == "additive")]
+        if args.paper_variants:
+            runs += [(d_v, "paper", name, fields) for d_v, name, fields in PAPER_VARIANTS]
+        for value_channels, mode, variant, fields in runs:
             start = time.perf_counter()
-            row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens)
+            row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens, variant, fields)
             results["rows"].append(row)
             print(
-                f"{shape_name:10s} d_v={value_channels} {mode:8s} train {row['train_step']['ratio']:.3f} "
+                f"{shape_name:10s} d_v={value_channels} {mode:8s} {variant:10s} train {row['train_step']['ratio']:.3f} "
                 f"fwd {row['inference_forward']['ratio']:.3f} gen1 {row['generation_b1']['ratio']:.3f} "
                 f"gen8 {row['generation_b8']['ratio']:.3f} mem {row['peak_train_memory']['ratio']:.3f} "
                 f"params {row['params']['ratio']:.5f}  ({time.perf_counter() - start:.0f}s)",
                 flush=True,
             )
+            # Written after every row, so that a long run stopped early keeps what it measured.
+            write_results(args.out, name, results, markdown(results))
 
-    name = args.name or ("overhead_quick" if args.quick else "overhead")
-    write_results(args.out, name, results, markdown(results))
     print(markdown(results))
 
 

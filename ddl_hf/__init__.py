@@ -36,6 +36,7 @@ from .modeling_delta_gpt import (
     DeltaNetAttention,
     DeltaNetCache,
     DeltaResidual,
+    DeltaStateCache,
 )
 from .peft_targets import register_peft_targets
 
@@ -76,6 +77,7 @@ __all__ = [
     "DeltaNetAttention",
     "DeltaNetCache",
     "DeltaResidual",
+    "DeltaStateCache",
     "DeltaStatsCallback",
     "DeltaTrainer",
     "EquivalenceReport",

@@ -137,4 +137,5 @@ def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
                 module.beta_open.fill_(0.5 + 0.5 * torch.rand((), generator=generator).item())
                 for param in module.beta_proj.parameters():
                     param.copy_(torch.randn(param.shape, generator=generator))
-                module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))
+                if module.v_proj is not None:  # None with delta_value="constant"
+                    module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))

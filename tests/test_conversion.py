@@ -88,6 +88,15 @@ def test_trained_gpt2_converts_equivalently(value_channels):
     print(f"trained d_v={value_channels}: max|dlogit|={figures['max_diff']:.3e} ppl={figures['ppl']:.6g}")
 
 
+@pytest.mark.parametrize("read", ["temporal_conv", "channel_conv"])
+def test_conv_read_variants_convert_equivalently(read):
+    """TC / CC reads start as identity convolutions when converted (delta_init resolves to "exact" when loading)."""
+    source = trained_gpt2()
+    converted = ddl_hf.convert_gpt2(source, delta_value_channels=4, delta_state_read=read)
+    assert converted.config.delta_init == "exact" and converted.config.delta_beta_init == 0.0
+    check_equivalent(source, converted)
+
+
 def test_conversion_does_not_share_or_change_the_source():
     source = trained_gpt2()
     before = {k: v.clone() for k, v in source.state_dict().items()}

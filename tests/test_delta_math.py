@@ -189,7 +189,7 @@ def test_beta_starts_exactly_at_delta_beta_init(beta_init: float, gate: str, tok
 def test_closed_gate_still_gets_a_gradient(mode: str, token_batch: torch.Tensor) -> None:
     """beta == 0 exactly, yet dL/d(opening) != 0 in every block: a gate can open when training wants it."""
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_mode=mode)).train()
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_mode=mode, delta_beta_init=0.0)).train()
     out = model(token_batch, labels=token_batch, output_betas=True)
     assert all(torch.count_nonzero(beta) == 0 for beta in out.betas)
     out.loss.backward()
@@ -200,7 +200,7 @@ def test_closed_gate_still_gets_a_gradient(mode: str, token_batch: torch.Tensor)
 
 def test_one_optimizer_step_opens_the_gates(token_batch: torch.Tensor) -> None:
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(delta_config()).train()
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_beta_init=0.0)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()

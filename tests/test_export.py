@@ -70,6 +70,28 @@ def test_read_vectors_must_sum_to_one():
         ddl_hf.export_to_gpt2(converted)
 
 
+@pytest.mark.parametrize(
+    ("variant", "module"),
+    [
+        (dict(delta_state_read="temporal_conv"), "transformer.h.1.mlp_delta.read_conv"),
+        (dict(delta_state_read="channel_conv"), "transformer.read_out_conv"),
+        (dict(delta_embed_expand="conv"), "transformer.embed_expand"),
+    ],
+)
+def test_variants_round_trip_while_their_convolutions_are_the_identity(variant, module):
+    """TC/CC reads and the EC expansion convert exactly (identity weights) and so export exactly; once a convolution
+    moves, no GPT-2 computes the same function and the export names the module."""
+    source = trained_gpt2()
+    converted = ddl_hf.convert_gpt2(source, delta_value_channels=4, **variant)
+    exported = ddl_hf.export_to_gpt2(converted)
+    with torch.no_grad():
+        assert torch.equal(exported(HELD_OUT).logits, source(HELD_OUT).logits)
+        assert torch.equal(converted(HELD_OUT).logits, source(HELD_OUT).logits)
+        converted.get_submodule(module).weight.mul_(0.5)
+    with pytest.raises(ValueError, match=rf"state convolution.*{module.replace('.', '[.]')}"):
+        ddl_hf.export_to_gpt2(converted)
+
+
 def _block_beta(block_delta, norm, x: torch.Tensor) -> torch.Tensor:
     """beta from the block's own forward pass for residual inputs x [n, D]."""
     normed = norm(x)

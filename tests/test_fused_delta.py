@@ -63,6 +63,32 @@ def test_fused_matches_plain_and_dense(d_v, mode):
             torch.testing.assert_close(a, e, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_write_only_fused_gradcheck_and_matches_closed_form(d_v, mode):
+    """erase=False is X + beta k v^T (+ h 1^T): the closed form, and the plain path's gradients, in float64."""
+    additive = mode == "additive"
+    inputs = make_inputs(d_v, seed=2)
+    state, h, beta, value = inputs
+    assert torch.autograd.gradcheck(lambda *t: fused_delta_update(*t, EPS, additive, erase=False), inputs)
+    fused = fused_delta_update(state, h, beta, value, EPS, additive, erase=False)
+    plain = delta_update(state, unit_direction(h, EPS), beta, value, h if additive else None, erase=False)
+    k = h / torch.sqrt(h.square().sum(-1, keepdim=True) + EPS**2)
+    x = state if d_v > 1 else state.unsqueeze(-1)
+    closed = x + beta[..., None, None] * k.unsqueeze(-1) * value.unsqueeze(-2)
+    if additive:
+        closed = closed + h.unsqueeze(-1)
+    closed = closed if d_v > 1 else closed.squeeze(-1)
+    torch.testing.assert_close(fused, closed, rtol=0, atol=1e-12)
+    torch.testing.assert_close(plain, closed, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(fused)
+    expected = torch.autograd.grad(plain, inputs, grad_out, retain_graph=True)
+    actual = torch.autograd.grad(fused, inputs, grad_out)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-11)
+    # Not vacuous: with erase the result differs by beta k (k^T X)^T.
+    assert (fused_delta_update(state, h, beta, value, EPS, additive) - fused).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("d_v", [1, 4])
 def test_beta_zero_is_exactly_x_plus_h(d_v):
     """Additive mode at beta = 0: value and gradients are bit-exact GPT-2 (X + h, dX = dh = g)."""
@@ -120,7 +146,7 @@ def test_model_fused_equals_plain(d_v, mode):
 def test_beta_zero_model_equals_gpt2(d_v):
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(gpt2_config()).eval()
-    model = DeltaGPTForCausalLM(delta_config(delta_value_channels=d_v)).eval()
+    model = DeltaGPTForCausalLM(delta_config(delta_value_channels=d_v, delta_init="exact")).eval()
     model.load_state_dict(gpt2.state_dict(), strict=False)
     ids = torch.randint(0, VOCAB, (2, 11))
     with torch.no_grad():

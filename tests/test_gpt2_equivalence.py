@@ -10,14 +10,63 @@ import ddl_hf
 
 
 def delta_from_gpt2(gpt2: torch.nn.Module, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
-    """Load the GPT-2 state dict into a fresh DeltaGPT; only Delta parameters may be missing."""
+    """Load the GPT-2 state dict into DeltaGPT with `from_pretrained`, as conversion does: the Delta parameters the
+    checkpoint lacks get the exact init (`delta_init=None` resolves to "exact" when loading); only they may be
+    missing."""
     config = delta_config(**{**gpt2.config.to_diff_dict(), **overrides})
     config._attn_implementation = gpt2.config._attn_implementation
-    model = ddl_hf.DeltaGPTForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(gpt2.state_dict(), strict=False)
-    assert unexpected == []
-    assert missing and all("_delta." in name or name == "transformer.read_out" for name in missing), missing
-    return model
+    model, info = ddl_hf.DeltaGPTForCausalLM.from_pretrained(
+        None, config=config, state_dict=gpt2.state_dict(), output_loading_info=True
+    )
+    delta_names = set(model.delta_parameters())
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert info["missing_keys"] and set(info["missing_keys"]) <= delta_names, info["missing_keys"]
+    assert model.config.delta_init == "exact" and model.config.delta_beta_init == 0.0
+    return model.eval()
+
+
+# Every (d_v, state read, embedding expansion) the config accepts (docs/variants.md); the value and erase choices
+# cycle through their four combinations (each appears twice) to keep the suite fast: at beta = 0 they change which
+# modules exist, not the function.
+_SHAPES = [
+    (d_v, read, expand)
+    for d_v in (1, 4)
+    for read in ("linear", "temporal_conv", "channel_conv")
+    for expand in ("repeat", "conv")
+    if d_v > 1 or (read != "channel_conv" and expand != "conv")
+]
+_VALUE_ERASE = [("linear", True), ("constant", False), ("constant", True), ("linear", False)]
+VARIANTS = [(*shape, *_VALUE_ERASE[i % 4]) for i, shape in enumerate(_SHAPES)]
+
+
+@pytest.mark.parametrize(("value_channels", "read", "expand", "value", "erase"), VARIANTS)
+def test_every_variant_starts_as_gpt2_bit_for_bit(
+    value_channels: int, read: str, expand: str, value: str, erase: bool, token_batch: torch.Tensor
+) -> None:
+    """Additive mode, beta = 0, identity convolutions: transformers' GPT-2 exactly, also for a left-padded batch
+    (padding enters the temporal convolutions as zeros)."""
+    gpt2 = gpt2_model(random_constants=True)
+    delta = delta_from_gpt2(
+        gpt2,
+        delta_value_channels=value_channels,
+        delta_state_read=read,
+        delta_embed_expand=expand,
+        delta_value=value,
+        delta_erase=erase,
+    )
+    assert (delta.transformer.read_out_conv is not None) == (read != "linear")
+    assert (delta.transformer.embed_expand is not None) == (expand == "conv")
+    mask = torch.ones_like(token_batch)
+    mask[0, :5] = 0
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    with torch.no_grad():
+        for inputs in ({}, kwargs):
+            out = delta(token_batch, output_betas=True, **inputs)
+            assert all(torch.count_nonzero(beta) == 0 for beta in out.betas)
+            expected = gpt2(token_batch, **inputs).logits
+            real = mask.bool() if inputs else torch.ones_like(mask, dtype=torch.bool)
+            assert torch.equal(out.logits[real], expected[real])
 
 
 @pytest.mark.parametrize("value_channels", [1, 4])

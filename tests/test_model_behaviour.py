@@ -248,6 +248,58 @@ def test_bad_config_values_raise_value_error(field: str, value, message: str) ->
         delta_config(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"delta_state_read": "conv"}, r"delta_state_read='conv' is invalid: expected one of \('linear', "),
+        ({"delta_state_read": "channel_conv"}, "delta_state_read='channel_conv' is invalid: .*value_channels > 1"),
+        (
+            {"delta_state_read": "channel_conv", "delta_value_channels": 4, "delta_conv_size": 5},
+            "delta_conv_size=5 is invalid: expected <= delta_value_channels=4",
+        ),
+        ({"delta_conv_size": 0}, "delta_conv_size=0 is invalid: expected an integer >= 1"),
+        ({"delta_embed_expand": "conv"}, "delta_embed_expand='conv' is invalid: .*delta_value_channels > 1"),
+        ({"delta_embed_expand": "tile"}, "delta_embed_expand='tile'"),
+        ({"delta_value": "sigmoid"}, "delta_value='sigmoid' is invalid: expected one of"),
+        ({"delta_value_constant": float("nan")}, "delta_value_constant=nan is invalid: expected a finite number"),
+        ({"delta_erase": "no"}, "delta_erase='no' is invalid"),
+        ({"delta_init": "zero"}, r"delta_init='zero' is invalid: expected None \(auto\) or one of \('exact', "),
+    ],
+)
+def test_bad_variant_values_raise_value_error(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        delta_config(**overrides)
+
+
+def test_from_scratch_follows_the_reference_code_and_loading_a_gpt2_stays_exact(tmp_path) -> None:
+    """Built from a config: beta = 1 and averaging read convolutions (the authors' from-scratch init), recorded in
+    the config; a paper-mode model is then not a stack of identity blocks. Loading a checkpoint without the Delta
+    parameters (a GPT-2) gives them the exact init instead; explicit choices win over both."""
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+    model = delta_model(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv")
+    assert model.config.delta_init == "reference" and model.config.delta_beta_init == 1.0
+    betas = model(ids, output_betas=True).betas
+    assert all(torch.equal(beta, torch.ones_like(beta)) for beta in betas)
+    conv = model.transformer.h[0].attn_delta.read_conv.weight
+    assert torch.equal(conv, torch.full_like(conv, 0.25))
+    base = model.transformer
+    identity_logits = model.lm_head(base.ln_f(base.wte(ids) + base.wpe.weight[:6]))
+    assert (model(ids).logits - identity_logits).abs().max() > 1e-2  # the blocks act from the first step
+
+    explicit = delta_model(delta_init="exact", delta_state_read="channel_conv", delta_value_channels=4)
+    assert explicit.config.delta_beta_init == 0.0
+    weight = explicit.transformer.read_out_conv.weight
+    assert torch.equal(weight, torch.eye(4)[1].expand_as(weight))  # centred tap p = (4 - 1) // 2 = 1
+    assert delta_model(delta_beta_init=0.5).config.delta_init == "reference"
+    with torch.no_grad():
+        assert max(float(b.max()) for b in delta_model(delta_beta_init=0.5)(ids, output_betas=True).betas) == 0.5
+
+    model.save_pretrained(tmp_path)  # the resolved scheme travels with the config
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.delta_init == "reference" and reloaded.config.delta_beta_init == 1.0
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
 def test_config_mutated_after_creation_is_checked_when_building_or_saving(tmp_path) -> None:
     config = delta_config()
     config.delta_mode = "typo"

@@ -32,7 +32,8 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
 
     Exact only for an additive DeltaGPT whose every gate is closed (rho = clamp(beta_open, 0, 1) == 0, so beta is
     0 for every input) and, with d_v > 1, whose read vectors sum to 1 (then the expanded state is x 1^T and reading
-    it gives x back). Otherwise raises ValueError naming the largest beta found (see `beta_upper_bounds`).
+    it gives x back), and whose state convolutions (TC/CC reads, EC expansion) still have their identity weights.
+    Otherwise raises ValueError naming the largest beta found (see `beta_upper_bounds`).
     """
     config = model.config
     if getattr(config, "model_type", None) != DeltaGPTConfig.model_type or not hasattr(model, "lm_head"):
@@ -52,6 +53,14 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
             f"Largest beta found: {open_blocks[worst]:.6g} in {worst} (the supremum over all inputs; its opening "
             f"rho = clamp(beta_open, 0, 1) = {rho:.6g}). A GPT-2 has no Delta term, so only a model with every "
             "beta_open <= 0 can be exported."
+        )
+    convolutions = {name: module for name, module in model.named_modules() if hasattr(module, "identity")}
+    moved = [name for name, module in convolutions.items() if not torch.equal(module.weight, module.identity())]
+    if moved:
+        raise ValueError(
+            f"Cannot export to GPT-2 exactly: {len(moved)} state convolution(s) (delta_state_read / "
+            f"delta_embed_expand variants) are not the identity: {moved}. GPT-2 has no convolution over the "
+            "residual state; only a model whose convolutions still have their identity weights can be exported."
         )
     if config.delta_value_channels > 1:
         reads = {"transformer.read_out": model.transformer.read_out}

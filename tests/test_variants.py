@@ -1,0 +1,198 @@
+"""The paper's variants (docs/variants.md): the convolutions against plain loops, and generation with their
+cached windows against uncached runs, single prompts, beam search without a cache and plain greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from builders import VOCAB, delta_model, open_gates
+
+import ddl_hf
+from ddl_hf.delta_ops import channel_conv, channel_conv_read_weight, temporal_conv
+from ddl_hf.modeling_delta_gpt import DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Temporal variants (their cache keeps convolution windows), and one per other read for the plain-loop checks.
+TEMPORAL = [
+    dict(delta_value_channels=1, delta_state_read="temporal_conv"),
+    dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv", delta_mode="paper"),
+    dict(delta_value_channels=3, delta_embed_expand="conv", delta_conv_size=3, delta_value="constant"),
+    dict(delta_value_channels=2, delta_state_read="temporal_conv", delta_erase=False, token_mixer="delta_net"),
+]
+
+
+def variant_model(seed: int = 0, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
+    """Open gates and random convolution weights: every part of the variant acts on the output."""
+    model = delta_model(seed=seed, **overrides)
+    open_gates(model, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (DeltaStateConv, DeltaEmbedExpand)):
+                module.weight.copy_(0.5 * torch.randn(module.weight.shape, generator=generator))
+    return model
+
+
+def test_temporal_conv_matches_a_plain_loop() -> None:
+    g = torch.Generator().manual_seed(0)
+    size, steps = 3, 5
+    history = torch.randn(2, size - 1 + steps, 4, 2, generator=g, dtype=torch.float64)
+    weight = torch.randn(4, 2, size, generator=g, dtype=torch.float64)
+    expected = torch.zeros(2, steps, 4, 2, dtype=torch.float64)
+    for t in range(steps):
+        for j in range(size):  # tap j reads the input j - (size - 1) tokens from the current one
+            expected[:, t] += weight[..., j] * history[:, t + j]
+    torch.testing.assert_close(temporal_conv(history, weight), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("channels", "size"), [(4, 4), (4, 3), (5, 2), (3, 1)])
+def test_channel_conv_matches_a_plain_loop(channels: int, size: int) -> None:
+    g = torch.Generator().manual_seed(channels * 10 + size)
+    state = torch.randn(2, 3, 6, channels, generator=g, dtype=torch.float64)
+    weight = torch.randn(6, size, generator=g, dtype=torch.float64)
+    left = (size - 1) // 2
+    expected = torch.zeros_like(state)
+    for o in range(channels):
+        for j in range(size):
+            c = o - left + j
+            if 0 <= c < channels:
+                expected[..., o] += weight[:, j] * state[..., c]
+    torch.testing.assert_close(channel_conv(state, weight), expected, rtol=0, atol=1e-12)
+    # The model's fast path folds the convolution and the read vector into one [D, d_v] weight.
+    read = torch.randn(channels, generator=g, dtype=torch.float64)
+    folded = (state * channel_conv_read_weight(weight, read)).sum(-1)
+    torch.testing.assert_close(folded, expected @ read, rtol=0, atol=1e-12)
+
+
+def test_model_reads_are_the_convolution_then_the_read_vector() -> None:
+    """A sublayer's input, recomputed from the output_expanded_states with plain loops over tokens and channels."""
+    model = variant_model(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv")
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, output_expanded_states=True)
+        base = model.transformer
+        embeddings = base.wte(ids) + base.wpe(torch.arange(6))
+        size = model.config.delta_conv_size
+        expand = base.embed_expand.weight  # [D, d_v, K]
+        state0 = torch.zeros(2, 6, 32, 4)
+        for t in range(6):
+            for j in range(size):
+                if t - (size - 1) + j >= 0:
+                    state0[:, t] += expand[..., j] * embeddings[:, t - (size - 1) + j, :, None]
+        torch.testing.assert_close(out.expanded_states[0], state0, rtol=0, atol=1e-6)
+        delta = base.h[1].attn_delta
+        state = out.expanded_states[1]
+        conv = torch.zeros_like(state)
+        for t in range(6):
+            for j in range(size):
+                if t - (size - 1) + j >= 0:
+                    conv[:, t] += delta.read_conv.weight[..., j] * state[:, t - (size - 1) + j]
+        torch.testing.assert_close(delta.read(state), conv @ delta.read_weights, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", TEMPORAL, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_cached_generation_equals_uncached_and_stepwise_forward(overrides: dict) -> None:
+    model = variant_model(**overrides)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :6], use_cache=True)
+        cache = first.past_key_values
+        assert isinstance(cache, ddl_hf.DeltaNetCache if "token_mixer" in overrides else DeltaStateCache)
+        steps = [first.logits]
+        for t in range(6, 10):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
+
+    prompt = ids[:1, :5]
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    assert torch.equal(cached, model.generate(prompt, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize("overrides", TEMPORAL[:2], ids=["tc-dv1", "tc-ec-dv4"])
+def test_left_padded_batch_equals_each_prompt_alone(overrides: dict) -> None:
+    model = variant_model(**overrides)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=generator) for n in (3, 7, 5)]
+    width, pad = 7, model.config.pad_token_id
+    batch = torch.stack([torch.cat([torch.full((width - len(p),), pad), p]) for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=pad)
+    batched = model.generate(batch, attention_mask=mask, **kwargs)[:, width:]
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+        assert torch.equal(batched[row], alone[0, len(prompt) :]), f"prompt {row} differs when batched"
+
+
+def test_beam_search_reorders_the_windows() -> None:
+    """Beam search with the cache (windows reordered with the beams) equals beam search that recomputes everything."""
+    model = variant_model(**TEMPORAL[1])
+    prompt = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(num_beams=3, max_new_tokens=8, min_new_tokens=8, do_sample=False, early_stopping=False)
+    cached = model.generate(prompt, use_cache=True, output_scores=True, return_dict_in_generate=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, output_scores=True, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=0, atol=1e-5)
+    assert cached.beam_indices is not None and bool((cached.beam_indices[:, 1:] != cached.beam_indices[:, :1]).any())
+
+
+def test_assisted_decoding_crops_the_windows() -> None:
+    """An assistant with other weights proposes tokens the model rejects: the cache is cropped, and greedy
+    assisted decoding still equals plain greedy decoding."""
+    model = variant_model(**TEMPORAL[1])
+    assistant = variant_model(seed=7, **TEMPORAL[1])
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    crops = []
+    original = DeltaStateCache.crop
+
+    def counting_crop(self, tokens_to_remove: int) -> None:
+        crops.append(tokens_to_remove)
+        original(self, tokens_to_remove)
+
+    DeltaStateCache.crop = counting_crop
+    try:
+        assisted = model.generate(prompt, assistant_model=assistant, **kwargs)
+    finally:
+        DeltaStateCache.crop = original
+    assert torch.equal(assisted, model.generate(prompt, **kwargs))
+    assert any(n < 0 for n in crops), crops  # tokens were really rejected and cropped
+
+
+def test_cache_operations_and_memory_do_not_grow_with_the_context() -> None:
+    model = variant_model(**TEMPORAL[1])
+    config = model.config
+    ids = torch.randint(1, VOCAB, (3, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        sizes = []
+        for t in range(8, 12):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            sizes.append(cache.delta_window_bytes())
+    # Per sequence: K entries (K - 1 kept + the current token) of D * d_v floats at each of the 2 n_layer sublayer
+    # reads and the final read, and of D floats for the embedding window.
+    size, d, d_v = config.delta_conv_size, config.n_embd, config.delta_value_channels
+    per_sequence = size * 4 * ((2 * config.n_layer + 1) * d * d_v + d)
+    assert sizes == [3 * per_sequence] * 4
+
+    window = cache.delta_window("h.0.attn").clone()
+    cache.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(cache.delta_window("h.0.attn"), window[[2, 0, 1]])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(cache.delta_window("h.0.attn"), window[[0]])
+    cache.batch_repeat_interleave(2)
+    assert cache.delta_window("h.0.attn").shape[0] == 2
+    cache.crop(-1)  # drop the last token: the window keeps the K - 1 before it
+    assert torch.equal(cache.delta_window("h.0.attn")[:1], window[[0], : size - 1])
+    with pytest.raises(ValueError, match="Cannot crop 1 tokens"):
+        cache.crop(-1)
+
+
+def test_temporal_variant_refuses_a_cache_without_windows() -> None:
+    from transformers import DynamicCache
+
+    model = variant_model(**TEMPORAL[0])
+    with pytest.raises(TypeError, match="DeltaStateCache"):
+        model(torch.ones(1, 3, dtype=torch.long), past_key_values=DynamicCache(), use_cache=True)
