@@ -232,31 +232,75 @@ def delta_rule_recurrent(
     return torch.cat(outputs, dim=-1).transpose(-1, -2).to(out_dtype), state
 
 
-def unit_lower_triangular_inverse(a: torch.Tensor) -> torch.Tensor:
-    """`(I + A)^{-1}` for strictly lower-triangular `A` `[..., C, C]`, with matmuls only (exportable, any dtype).
+def _diagonal_block_inverses(a: torch.Tensor, block: int) -> torch.Tensor:
+    """The inverses of the `block`-sized diagonal blocks of `I + A`, `[..., C // block, block, block]`.
 
-    Recursive doubling over the diagonal blocks: with the inverses X11, X22 of two neighbouring diagonal blocks of
-    size s known, the inverse of the 2s block is [[X11, 0], [-X22 A21 X11, X22]]. log2(C) steps, each one batched
-    matmul pair over all blocks of that size; rounding like forward substitution (unlike the nilpotent product
-    prod_j (I + (-A)^(2^j)), whose large intermediate powers cancel badly when keys are correlated and beta is
-    near 2). C is zero-padded to a power of two (the padded rows and columns leave the leading block alone).
+    Recursive doubling: with the inverses X11, X22 of two neighbouring diagonal blocks of size s known, the inverse
+    of their 2s block is [[X11, 0], [-X22 A21 X11, X22]]. log2(block) steps, each one batched matmul pair over all
+    blocks of that size; rounding like forward substitution (unlike the nilpotent product prod_j (I + (-A)^(2^j)),
+    whose large intermediate powers cancel badly when keys are correlated and beta is near 2). C and `block` are
+    powers of two.
     """
-    c = a.shape[-1]
-    size = 1 << max(0, (c - 1).bit_length())
-    if size != c:
-        a = nn.functional.pad(a, (0, size - c, 0, size - c))
-    batch = a.shape[:-2]
+    size, batch = a.shape[-1], a.shape[:-2]
     inverse = a.new_ones(*batch, size, 1, 1)  # the 1x1 diagonal blocks of I + A
     s = 1
-    while s < size:
+    while s < block:
         m = size // (2 * s)
         pairs = a.reshape(*batch, m, 2 * s, m, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., m, 2s, 2s]
         x11, x22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
         x21 = -(x22 @ pairs[..., s:, :s] @ x11)
         inverse = torch.cat([torch.cat([x11, torch.zeros_like(x11)], -1), torch.cat([x21, x22], -1)], -2)
         s *= 2
-    inverse = inverse.reshape(*batch, size, size)
-    return inverse[..., :c, :c] if size != c else inverse
+    return inverse
+
+
+def _pad_to_power_of_two(a: torch.Tensor) -> tuple[torch.Tensor, int]:
+    c = a.shape[-1]
+    size = 1 << max(0, (c - 1).bit_length())
+    return (nn.functional.pad(a, (0, size - c, 0, size - c)) if size != c else a), size
+
+
+def unit_lower_triangular_inverse(a: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^{-1}` for strictly lower-triangular `A` `[..., C, C]`, with matmuls only (exportable, any dtype).
+
+    See `_diagonal_block_inverses`; C is zero-padded to a power of two (the padded rows and columns leave the
+    leading block alone).
+    """
+    c = a.shape[-1]
+    padded, size = _pad_to_power_of_two(a)
+    return _diagonal_block_inverses(padded, size).reshape(*a.shape[:-2], size, size)[..., :c, :c]
+
+
+def unit_lower_triangular_solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^{-1} rhs` for strictly lower-triangular `A` `[..., C, C]` and `rhs` `[..., C, n]`, matmuls only.
+
+    The inverses of the two diagonal halves, then one block forward substitution: cheaper than forming the whole
+    inverse (its largest block and the largest copies are never built).
+    """
+    c = a.shape[-1]
+    if c == 1:
+        return rhs
+    padded, size = _pad_to_power_of_two(a)
+    rhs = nn.functional.pad(rhs, (0, 0, 0, size - c)) if size != c else rhs
+    half = size // 2
+    inverses = _diagonal_block_inverses(padded, half)
+    top = inverses[..., 0, :, :] @ rhs[..., :half, :]
+    bottom = inverses[..., 1, :, :] @ (rhs[..., half:, :] - padded[..., half:, :half] @ top)
+    return torch.cat([top, bottom], dim=-2)[..., :c, :]
+
+
+def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, exporting: bool) -> torch.Tensor:
+    """`[B, H, T, d]` -> `[B, H, n_chunks, chunk, d]`, zero-padded at the end.
+
+    Exporting: copied into a zero tensor of the padded length by index, not padded nor sliced: with a symbolic T,
+    torch.export's shape solver cannot prove `T <= chunk * n_chunks` (which a pad or a slice guards on).
+    """
+    batch, heads, seq_len, d = x.shape
+    if not exporting:
+        return nn.functional.pad(x, (0, 0, 0, n_chunks * chunk - seq_len)).view(batch, heads, n_chunks, chunk, d)
+    positions = torch.arange(seq_len, device=x.device)
+    out = x.new_zeros(batch, heads, n_chunks * chunk, d).index_copy(2, positions, x)
+    return out.view(batch, heads, n_chunks, chunk, d)
 
 
 def delta_rule_chunkwise(
@@ -274,7 +318,7 @@ def delta_rule_chunkwise(
 
     Within a chunk that starts from state S_0, the chunk's rank-1 updates have a WY/UT form. With
     `A = strict_lower(diag(beta) K K^T)`, the pseudo-values `U = (I + A)^{-1} diag(beta) V` and
-    `W = (I + A)^{-1} diag(beta) K` come from one unit-lower-triangular inverse (for all chunks at once), and
+    `W = (I + A)^{-1} diag(beta) K` come from one unit-lower-triangular solve (for all chunks at once), and
 
         U' = U - W S_0^T,    O = Q S_0^T + causal(Q K^T) U',    S_C = S_0 + U'^T K,
 
@@ -305,14 +349,15 @@ def delta_rule_chunkwise(
     chunk = chunk_size
     # Whole chunks, always (a symbolic pad of 0 is fine). Exporting: >= 2 chunks for every T (scan and the shape
     # checks would otherwise guard on T).
-    n_chunks = seq_len // chunk + 2 if exporting else (seq_len + chunk - 1) // chunk
+    n_chunks = (seq_len + 2 * chunk - 1) // chunk if exporting else (seq_len + chunk - 1) // chunk
     padding = n_chunks * chunk - seq_len
-    q, k, v = (nn.functional.pad(x, (0, 0, 0, padding)).reshape(batch, heads, n_chunks, chunk, -1) for x in (q, k, v))
-    beta = nn.functional.pad(beta, (0, padding)).reshape(batch, heads, n_chunks, chunk, 1)
+    q, k, v, beta = (_to_chunks(x, n_chunks, chunk, exporting) for x in (q, k, v, beta.unsqueeze(-1)))
 
     # Within chunks, all chunks at once: the UT transform and the causal scores.
     k_beta, v_beta = k * beta, v * beta
-    scores = (q @ k.transpose(-1, -2)).tril()  # diagonal included: o_r reads the state after token r's write
+    # Triangles as products with a constant mask: tril on the batched [B, H, N, C, C] is several times slower.
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-1, -2)) * causal  # diagonal included: o_r reads the state after token r's write
     last = keep = None
     if document_starts is not None:
         starts = nn.functional.pad(document_starts, (0, padding)).reshape(batch, 1, n_chunks, chunk)
@@ -323,10 +368,10 @@ def delta_rule_chunkwise(
         keep = (segment[..., -1] == 0).to(dtype)[..., None, None]  # S_0 reaches S_C
         scores = scores * same
     if erase:
-        a_strict = (k_beta @ k.transpose(-1, -2)).tril(-1)  # A[r, i] = beta_r k_r . k_i for i < r
-        if document_starts is not None:
-            a_strict = a_strict * same
-        u, w = (unit_lower_triangular_inverse(a_strict) @ torch.cat([v_beta, k_beta], dim=-1)).split([d_v, d_k], -1)
+        strict = causal.logical_not().transpose(0, 1)  # i < r
+        a_strict = (k_beta @ k.transpose(-1, -2)) * (strict if document_starts is None else strict * same)
+        # A[r, i] = beta_r k_r . k_i for i < r; [U W] = (I + A)^{-1} diag(beta) [V K]
+        u, w = unit_lower_triangular_solve(a_strict, torch.cat([v_beta, k_beta], dim=-1)).split([d_v, d_k], -1)
     else:
         u, w = v_beta, None
     q_carry = q
@@ -355,7 +400,8 @@ def delta_rule_chunkwise(
             state, o_n = hand_over(state, xs_n)
             outputs.append(o_n)
         o = torch.stack(outputs, dim=2)
-    o = o.reshape(batch, heads, n_chunks * chunk, d_v)[:, :, :seq_len]
+    o = o.reshape(batch, heads, n_chunks * chunk, d_v)
+    o = o.index_select(2, torch.arange(seq_len, device=o.device)) if exporting else o[:, :, :seq_len]
     return o.to(out_dtype), state
 
 
@@ -367,4 +413,5 @@ __all__ = [
     "straight_through_clamp",
     "unit_direction",
     "unit_lower_triangular_inverse",
+    "unit_lower_triangular_solve",
 ]

@@ -230,3 +230,99 @@ def test_packed_input_with_a_filled_cache_is_refused():
             model(ids[:, 4:], position_ids=position_ids[:, 4:], past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="cannot continue a cache"):
             model(ids[:, 4:6], past_key_values=cache, cu_seq_lens_q=torch.tensor([0, 2]), use_cache=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bf16 autocast (what Trainer(bf16=True) and trl do on CPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_bf16_autocast_forward_and_backward_match_float32():
+    model = tiny_model(seed=5)
+    ids = torch.randint(0, VOCAB, (2, 24))
+    reference = model(ids, labels=ids)
+    reference.loss.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.dtype == torch.bfloat16  # the model ran in bf16, the delta rule inside in float32
+    scale = reference.logits.abs().max()
+    assert (out.logits.float() - reference.logits).abs().max() <= 0.05 * scale  # bf16 keeps ~3 digits
+    assert abs(out.loss.item() - reference.loss.item()) <= 0.01 * reference.loss.item()
+    for name, grad in reference_grads.items():
+        if ".attn." in name:  # the DeltaNet weights: the same direction and size
+            got = dict(model.named_parameters())[name].grad
+            cosine = torch.nn.functional.cosine_similarity(got.flatten(), grad.flatten(), dim=0)
+            assert cosine > 0.99 and 0.9 < got.norm() / grad.norm() < 1.1, name
+
+
+def test_trainer_bf16_step(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model(seed=2).train()
+    ids = torch.randint(0, VOCAB, (8, 24))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        bf16=True,
+        use_cpu=True,
+        save_strategy="no",
+        report_to=[],
+    )
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    before = model.transformer.h[0].attn.q_proj.weight.detach().clone()
+    result = Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, model.transformer.h[0].attn.q_proj.weight.detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export with a dynamic sequence length: torch.export, and ONNX through onnxruntime
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model: DeltaGPTForCausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, use_cache=False).logits
+
+
+EXPORT_OVERRIDES = [{}, {"delta_net_rule": "write_only", "delta_net_allow_negative_eigval": True}]
+
+
+@pytest.mark.parametrize("overrides", EXPORT_OVERRIDES, ids=["delta", "write_only_negative_eigval"])
+def test_torch_export_with_a_dynamic_sequence_length_matches_eager(overrides):
+    model = tiny_model(seed=6, **overrides)
+    seq = torch.export.Dim("seq", min=2, max=96)
+    program = torch.export.export(Logits(model), (torch.randint(0, VOCAB, (2, 20)),), dynamic_shapes=({1: seq},))
+    for seq_len in (5, 37):  # less than a chunk; several chunks with padding; neither is the traced length
+        ids = torch.randint(0, VOCAB, (2, seq_len))
+        with torch.no_grad():
+            assert (program.module()(ids) - model(ids).logits).abs().max() <= 1e-5
+
+
+def test_onnx_export_runs_in_onnxruntime_and_matches_eager(tmp_path):
+    for package in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(package)
+    import onnxruntime
+
+    model = tiny_model(seed=7)
+    seq = torch.export.Dim("seq", min=2, max=96)
+    program = torch.onnx.export(
+        Logits(model), (torch.randint(0, VOCAB, (1, 20)),), dynamic_shapes=({1: seq},), dynamo=True, verbose=False
+    )
+    program.save(str(tmp_path / "delta_net.onnx"))
+    session = onnxruntime.InferenceSession(str(tmp_path / "delta_net.onnx"), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for seq_len in (5, 37):
+        ids = torch.randint(0, VOCAB, (1, seq_len))
+        (logits,) = session.run(None, {name: ids.numpy()})
+        with torch.no_grad():
+            assert (torch.from_numpy(logits) - model(ids).logits).abs().max() <= 1e-5
