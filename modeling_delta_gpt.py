@@ -331,6 +331,8 @@ def delta_net_document_starts(
     """
     if position_ids is None and cu_seq_lens is None:
         return None
+    if past_seen_tokens and cu_seq_lens is None and not bool((position_ids == 0).any()):
+        return None  # decoding (generate passes position_ids every step): one check, nothing starts
     starts = torch.zeros(shape, dtype=torch.bool, device=(position_ids if cu_seq_lens is None else cu_seq_lens).device)
     if position_ids is not None:
         starts = starts | (position_ids == 0)
