@@ -204,23 +204,40 @@ def fused_delta_update(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def temporal_conv(history: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def temporal_conv(
+    history: torch.Tensor, weight: torch.Tensor, same_document: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal depthwise convolution over tokens: `y_t = sum_j weight[..., j] * x_{t - K + 1 + j}`.
 
     Args:
         history: `[B, K - 1 + T, *channels]`: the K - 1 inputs before the T new ones (zeros at the start of a
             sequence, the cached ones when decoding), then the T new inputs.
         weight: `[*channels, K]`, one kernel per channel; the last tap multiplies the current token.
+        same_document: `[B, T, K]` bool, or None: whether tap j of output t reads a token of t's own document
+            (packed rows); a tap into an earlier document reads 0, as if the document were alone.
 
     Returns `[B, T, *channels]`. K shifted multiply-adds (K is small) rather than conv1d: no transposes of the state.
     """
     size = weight.shape[-1]
     steps = history.shape[1] - size + 1
     weight = weight.to(history.dtype)
-    out = history[:, :steps] * weight[..., 0]
-    for j in range(1, size):
-        out = out + history[:, j : j + steps] * weight[..., j]
+    out = None
+    for j in range(size):
+        tap = history[:, j : j + steps]
+        if same_document is not None:
+            keep = same_document[:, :, j].to(history.dtype)
+            tap = tap * keep.view(*keep.shape, *([1] * (history.dim() - 2)))
+        out = tap * weight[..., j] if out is None else out + tap * weight[..., j]
     return out
+
+
+def same_document_taps(document_starts: torch.Tensor, size: int) -> torch.Tensor:
+    """`[B, T, K]` bool for `temporal_conv`: tap j of token t (which reads token t - K + 1 + j) stays in t's
+    document. `document_starts` `[B, T]` is True where a packed row starts a new document."""
+    document = nn.functional.pad(document_starts.long().cumsum(-1), (size - 1, 0))  # inputs before the row: apart
+    steps = document_starts.shape[1]
+    target = document[:, size - 1 :]
+    return torch.stack([document[:, j : j + steps] == target for j in range(size)], dim=-1)
 
 
 def channel_conv(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -272,6 +289,7 @@ def delta_rule_recurrent(
     initial_state: torch.Tensor | None = None,
     *,
     erase: bool = True,
+    document_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule one token at a time: the reference form, and the decoding step (constant work per token).
 
@@ -282,6 +300,9 @@ def delta_rule_recurrent(
         beta: `[B, H, T]`, in (0, 1), or (0, 2) for the negative-eigenvalue variant.
         initial_state: `[B, H, d_v, d_k]`, or None for zeros.
         erase: False drops the `- beta k k^T` term, i.e. purely additive linear attention `S_t = S_{t-1} + beta v k^T`.
+        document_starts: `[B, T]` bool, or None: True where a new document starts (packed rows). The state carried
+            into such a token is zeroed first, so each document runs as if it were alone (a start at t = 0 drops
+            `initial_state`).
 
     Returns:
         `o` `[B, H, T, d_v]` with `o_t = S_t q_t`, in v's dtype, and the final state `S_T` `[B, H, d_v, d_k]`
@@ -295,13 +316,87 @@ def delta_rule_recurrent(
     outputs = []
     # unbind, not k[:, :, t]: the backward of one unbind is one stack, that of T slices is T full-size zero tensors.
     steps = zip(q.unsqueeze(-1).unbind(2), k.unsqueeze(-1).unbind(2), v.unsqueeze(-1).unbind(2), beta.unbind(2))
-    for q_t, k_t, v_t, beta_t in steps:  # q_t, k_t: [B, H, d_k, 1]; v_t: [B, H, d_v, 1]; beta_t: [B, H]
+    keeps = [None] * q.shape[2] if document_starts is None else (~document_starts).to(dtype)[:, None, None].unbind(-1)
+    for (q_t, k_t, v_t, beta_t), keep_t in zip(steps, keeps):  # q_t, k_t: [B, H, d_k, 1]; v_t: [B, H, d_v, 1]
+        if keep_t is not None:
+            state = state * keep_t[..., None]  # [B, 1, 1, 1]: 0 at a document start
         write = v_t - state @ k_t if erase else v_t  # v_t - S_{t-1} k_t: replace what the memory returns for k_t
         state = state + beta_t[..., None, None] * write @ k_t.transpose(-1, -2)
         outputs.append(state @ q_t)
     if not outputs:
         return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
     return torch.cat(outputs, dim=-1).transpose(-1, -2).to(out_dtype), state
+
+
+def _diagonal_block_inverses(a: torch.Tensor, block: int) -> torch.Tensor:
+    """The inverses of the `block`-sized diagonal blocks of `I + A`, `[..., C // block, block, block]`.
+
+    Recursive doubling: with the inverses X11, X22 of two neighbouring diagonal blocks of size s known, the inverse
+    of their 2s block is [[X11, 0], [-X22 A21 X11, X22]]. log2(block) steps, each one batched matmul pair over all
+    blocks of that size; rounding like forward substitution (unlike the nilpotent product prod_j (I + (-A)^(2^j)),
+    whose large intermediate powers cancel badly when keys are correlated and beta is near 2). C and `block` are
+    powers of two.
+    """
+    size, batch = a.shape[-1], a.shape[:-2]
+    inverse = a.new_ones(*batch, size, 1, 1)  # the 1x1 diagonal blocks of I + A
+    s = 1
+    while s < block:
+        m = size // (2 * s)
+        pairs = a.reshape(*batch, m, 2 * s, m, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., m, 2s, 2s]
+        x11, x22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        x21 = -(x22 @ pairs[..., s:, :s] @ x11)
+        inverse = torch.cat([torch.cat([x11, torch.zeros_like(x11)], -1), torch.cat([x21, x22], -1)], -2)
+        s *= 2
+    return inverse
+
+
+def _pad_to_power_of_two(a: torch.Tensor) -> tuple[torch.Tensor, int]:
+    c = a.shape[-1]
+    size = 1 << max(0, (c - 1).bit_length())
+    return (nn.functional.pad(a, (0, size - c, 0, size - c)) if size != c else a), size
+
+
+def unit_lower_triangular_inverse(a: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^{-1}` for strictly lower-triangular `A` `[..., C, C]`, with matmuls only (exportable, any dtype).
+
+    See `_diagonal_block_inverses`; C is zero-padded to a power of two (the padded rows and columns leave the
+    leading block alone).
+    """
+    c = a.shape[-1]
+    padded, size = _pad_to_power_of_two(a)
+    return _diagonal_block_inverses(padded, size).reshape(*a.shape[:-2], size, size)[..., :c, :c]
+
+
+def unit_lower_triangular_solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^{-1} rhs` for strictly lower-triangular `A` `[..., C, C]` and `rhs` `[..., C, n]`, matmuls only.
+
+    The inverses of the two diagonal halves, then one block forward substitution: cheaper than forming the whole
+    inverse (its largest block and the largest copies are never built).
+    """
+    c = a.shape[-1]
+    if c == 1:
+        return rhs
+    padded, size = _pad_to_power_of_two(a)
+    rhs = nn.functional.pad(rhs, (0, 0, 0, size - c)) if size != c else rhs
+    half = size // 2
+    inverses = _diagonal_block_inverses(padded, half)
+    top = inverses[..., 0, :, :] @ rhs[..., :half, :]
+    bottom = inverses[..., 1, :, :] @ (rhs[..., half:, :] - padded[..., half:, :half] @ top)
+    return torch.cat([top, bottom], dim=-2)[..., :c, :]
+
+
+def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, exporting: bool) -> torch.Tensor:
+    """`[B, H, T, d]` -> `[B, H, n_chunks, chunk, d]`, zero-padded at the end.
+
+    Exporting: copied into a zero tensor of the padded length by index, not padded nor sliced: with a symbolic T,
+    torch.export's shape solver cannot prove `T <= chunk * n_chunks` (which a pad or a slice guards on).
+    """
+    batch, heads, seq_len, d = x.shape
+    if not exporting:
+        return nn.functional.pad(x, (0, 0, 0, n_chunks * chunk - seq_len)).view(batch, heads, n_chunks, chunk, d)
+    positions = torch.arange(seq_len, device=x.device)
+    out = x.new_zeros(batch, heads, n_chunks * chunk, d).index_copy(2, positions, x)
+    return out.view(batch, heads, n_chunks, chunk, d)
 
 
 def delta_rule_chunkwise(
@@ -313,6 +408,7 @@ def delta_rule_chunkwise(
     initial_state: torch.Tensor | None = None,
     *,
     erase: bool = True,
+    document_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule, chunkwise-parallel: the same inputs and outputs as `delta_rule_recurrent`, T/chunk_size steps.
 
@@ -322,8 +418,18 @@ def delta_rule_chunkwise(
 
         U' = U - W S_0^T,    O = Q S_0^T + causal(Q K^T) U',    S_C = S_0 + U'^T K,
 
-    so only the cheap state hand-over between chunks is sequential. T is zero-padded to a multiple of the chunk
-    size; padded steps have beta = 0 and k = 0 and leave the state unchanged. `erase=False`: A = 0 and W = 0.
+    so only the cheap state hand-over between chunks is sequential. T is zero-padded to whole chunks; padded steps
+    have beta = 0 and k = 0 and leave the state unchanged. `erase=False`: A = 0 and W = 0.
+
+    Document starts (packed rows): a start zeroes the state carried into its token, so within a chunk tokens only
+    interact with tokens of the same document: A and the causal scores are masked to same-document pairs (then
+    (I + A) is block diagonal per document and so is its inverse), S_0 reaches only the tokens before the chunk's
+    first start (`U' = U - (W * first) S_0^T`, `O = (Q * first) S_0^T + ...`), and the state handed on is that of
+    the chunk's last document: `S_C = [no start in chunk] S_0 + (U' * last)^T K`.
+
+    Exportable (`torch.export` with a dynamic T, `torch.onnx.export(dynamo=True)`): no shape-dependent branch but
+    the static ones; under export the chunk hand-over is a `scan` (the eager Python loop is faster, and its
+    backward much faster) and T is padded with one more chunk so the number of chunks is always >= 2.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -332,39 +438,66 @@ def delta_rule_chunkwise(
     d_v = v.shape[-1]
     q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
     state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
-    if seq_len == 0:
+    exporting = torch.compiler.is_exporting()
+    if seq_len == 0 and not exporting:
         return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
 
-    chunk = min(chunk_size, seq_len)
-    padding = -seq_len % chunk
-    if padding:
-        q, k, v = (nn.functional.pad(x, (0, 0, 0, padding)) for x in (q, k, v))
-        beta = nn.functional.pad(beta, (0, padding))
-    n_chunks = (seq_len + padding) // chunk
-    q, k, v = (x.reshape(batch, heads, n_chunks, chunk, x.shape[-1]) for x in (q, k, v))
-    beta = beta.reshape(batch, heads, n_chunks, chunk, 1)
+    chunk = chunk_size
+    # Whole chunks, always (a symbolic pad of 0 is fine). Exporting: >= 2 chunks for every T (scan and the shape
+    # checks would otherwise guard on T).
+    n_chunks = (seq_len + 2 * chunk - 1) // chunk if exporting else (seq_len + chunk - 1) // chunk
+    padding = n_chunks * chunk - seq_len
+    q, k, v, beta = (_to_chunks(x, n_chunks, chunk, exporting) for x in (q, k, v, beta.unsqueeze(-1)))
 
     # Within chunks, all chunks at once: the UT transform and the causal scores.
     k_beta, v_beta = k * beta, v * beta
+    # Triangles as products with a constant mask: tril on the batched [B, H, N, C, C] is several times slower.
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-1, -2)) * causal  # diagonal included: o_r reads the state after token r's write
+    last = keep = None
+    if document_starts is not None:
+        starts = nn.functional.pad(document_starts, (0, padding)).reshape(batch, 1, n_chunks, chunk)
+        segment = starts.to(torch.int32).cumsum(-1)  # the document of each token, counted within its chunk
+        same = (segment.unsqueeze(-1) == segment.unsqueeze(-2)).to(dtype)  # [B, 1, N, C, C]
+        first = (segment == 0).to(dtype).unsqueeze(-1)  # tokens that see S_0
+        last = (segment == segment[..., -1:]).to(dtype).unsqueeze(-1)  # tokens whose writes reach S_C
+        keep = (segment[..., -1] == 0).to(dtype)[..., None, None]  # S_0 reaches S_C
+        scores = scores * same
     if erase:
-        a_strict = (k_beta @ k.transpose(-1, -2)).tril(-1)  # A[r, i] = beta_r k_r . k_i for i < r
-        # unitriangular=True reads only the strict lower part, so this solves (I + A) [U W] = diag(beta) [V K].
-        u, w = torch.linalg.solve_triangular(
-            a_strict, torch.cat([v_beta, k_beta], dim=-1), upper=False, unitriangular=True
-        ).split([d_v, d_k], dim=-1)
+        strict = causal.logical_not().transpose(0, 1)  # i < r
+        a_strict = (k_beta @ k.transpose(-1, -2)) * (strict if document_starts is None else strict * same)
+        # A[r, i] = beta_r k_r . k_i for i < r; [U W] = (I + A)^{-1} diag(beta) [V K]
+        u, w = unit_lower_triangular_solve(a_strict, torch.cat([v_beta, k_beta], dim=-1)).split([d_v, d_k], -1)
     else:
         u, w = v_beta, None
-    scores = (q @ k.transpose(-1, -2)).tril()  # diagonal included: o_r reads the state after token r's write
+    q_carry = q
+    if document_starts is not None:
+        q_carry = q * first
+        w = w * first if w is not None else None
 
-    # Across chunks: carry the state (unbind: see delta_rule_recurrent).
-    outputs = []
-    w_chunks = w.unbind(2) if w is not None else [None] * n_chunks
-    for q_n, k_n, u_n, w_n, scores_n in zip(q.unbind(2), k.unbind(2), u.unbind(2), w_chunks, scores.unbind(2)):
-        if w_n is not None:
-            u_n = u_n - w_n @ state.transpose(-1, -2)
-        outputs.append(q_n @ state.transpose(-1, -2) + scores_n @ u_n)
-        state = state + u_n.transpose(-1, -2) @ k_n
-    o = torch.stack(outputs, dim=2).reshape(batch, heads, n_chunks * chunk, d_v)[:, :, :seq_len]
+    def hand_over(state: torch.Tensor, xs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        q_n, k_n, u_n, scores_n, *rest = xs
+        if erase:
+            u_n = u_n - rest.pop(0) @ state.transpose(-1, -2)
+        o_n = q_n @ state.transpose(-1, -2) + scores_n @ u_n
+        if rest:  # document starts: keep S_0 only without a start in the chunk; write only the last document
+            last_n, keep_n = rest
+            return state * keep_n + (u_n * last_n).transpose(-1, -2) @ k_n, o_n
+        return state + u_n.transpose(-1, -2) @ k_n, o_n
+
+    xs = (q_carry, k, u, scores, *([w] if erase else []), *([last, keep] if last is not None else []))
+    if exporting:
+        from torch._higher_order_ops.scan import scan
+
+        state, o = scan(hand_over, state, xs, dim=2)
+    else:  # across chunks: carry the state (unbind: see delta_rule_recurrent)
+        outputs = []
+        for xs_n in zip(*(x.unbind(2) for x in xs)):
+            state, o_n = hand_over(state, xs_n)
+            outputs.append(o_n)
+        o = torch.stack(outputs, dim=2)
+    o = o.reshape(batch, heads, n_chunks * chunk, d_v)
+    o = o.index_select(2, torch.arange(seq_len, device=o.device)) if exporting else o[:, :, :seq_len]
     return o.to(out_dtype), state
 
 
@@ -378,4 +511,6 @@ __all__ = [
     "straight_through_clamp",
     "temporal_conv",
     "unit_direction",
+    "unit_lower_triangular_inverse",
+    "unit_lower_triangular_solve",
 ]

@@ -49,6 +49,7 @@ from .delta_ops import (
     delta_rule_recurrent,
     delta_update,
     fused_delta_update,
+    same_document_taps,
     straight_through_clamp,
     temporal_conv,
     unit_direction,
@@ -70,6 +71,15 @@ class DeltaConvContext:
 
     token_mask: torch.Tensor | None = None
     cache: DeltaWindowsMixin | None = None
+    document_starts: torch.Tensor | None = None
+
+    def convolve(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
+        """`temporal_conv` of x with its window at `key`; in packed rows each token reads only its own document."""
+        size = weight.shape[-1]
+        starts = self.document_starts
+        return temporal_conv(
+            self.history(x, key, size), weight, None if starts is None else same_document_taps(starts, size)
+        )
 
     def history(self, x: torch.Tensor, key: str, size: int) -> torch.Tensor:
         """`[B, size - 1 + T, ...]`: the previous `size - 1` inputs at `key` (cached, or zeros), then x."""
@@ -117,15 +127,13 @@ class DeltaStateConv(nn.Module):
         if read is None or state.dim() != 4:
             return self(state, context, key)
         # TC: the read vector scales the kernels (W r), so the [.., D, d_v] conv output need not be kept for backward.
-        history = (context or DeltaConvContext()).history(state, key, self.size)
-        return temporal_conv(history, self.weight * read[:, None]).sum(-1)
+        return (context or DeltaConvContext()).convolve(state, key, self.weight * read[:, None]).sum(-1)
 
     def forward(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
         if self.kind == "channel_conv":
             return channel_conv(state, self.weight)
         weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
-        history = (context or DeltaConvContext()).history(state, key, self.size)
-        return temporal_conv(history, weight)
+        return (context or DeltaConvContext()).convolve(state, key, weight)
 
 
 class DeltaEmbedExpand(nn.Module):
@@ -143,8 +151,7 @@ class DeltaEmbedExpand(nn.Module):
         return weight
 
     def forward(self, embeddings: torch.Tensor, context: DeltaConvContext | None) -> torch.Tensor:
-        history = (context or DeltaConvContext()).history(embeddings, "embed", self.size)
-        return temporal_conv(history.unsqueeze(-1), self.weight)
+        return (context or DeltaConvContext()).convolve(embeddings.unsqueeze(-1), "embed", self.weight)
 
 
 class DeltaWindowsMixin:
@@ -426,8 +433,11 @@ class DeltaNetAttention(nn.Module):
         hidden_states: torch.Tensor,
         past_key_values: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
+        document_starts: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        """`document_starts` `[B, T]` bool (packed rows, see `packed_document_starts`): the recurrent state and
+        the conv window restart there."""
         batch, seq_len, _ = hidden_states.shape
         cache = past_key_values
         if cache is not None and not isinstance(cache, DeltaNetCache):
@@ -443,7 +453,7 @@ class DeltaNetAttention(nn.Module):
         qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
         initial_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
         if self.conv_size > 0:
-            qkv = self._short_conv(qkv, cache)
+            qkv = self._short_conv(qkv, cache, document_starts)
         q, k, v = (
             x.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2) for x in qkv.split(self.inner_dim, -1)
         )
@@ -452,25 +462,81 @@ class DeltaNetAttention(nn.Module):
         if token_mask is not None:
             beta = beta * token_mask.unsqueeze(1)
 
-        if seq_len == 1:  # decoding: one rank-1 update
-            o, state = delta_rule_recurrent(q, k, v, beta, initial_state, erase=self.erase)
-        else:
-            o, state = delta_rule_chunkwise(q, k, v, beta, self.chunk_size, initial_state, erase=self.erase)
+        # The delta rule in float32 with autocast off (as the Delta residual): under bf16/fp16 autocast its matmuls
+        # would otherwise round the state every token. It returns v's dtype.
+        with maybe_autocast(hidden_states.device.type, enabled=False):
+            rule = dict(erase=self.erase, document_starts=document_starts)
+            if seq_len == 1:  # decoding: one rank-1 update (a shape-only branch: export with T >= 2 never sees it)
+                o, state = delta_rule_recurrent(q, k, v, beta, initial_state, **rule)
+            else:
+                o, state = delta_rule_chunkwise(q, k, v, beta, self.chunk_size, initial_state, **rule)
         if cache is not None:
             cache.update_recurrent_state(state.detach(), self.layer_idx, num_new_tokens=seq_len)
 
         o = self.o_norm(o.transpose(1, 2)).reshape(batch, seq_len, self.inner_dim)
         return self.resid_dropout(self.o_proj(o)), None
 
-    def _short_conv(self, qkv: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-        """SiLU(causal depthwise conv) over time; with a cache, the last `conv_size` inputs are carried over."""
+    def _short_conv(
+        self, qkv: torch.Tensor, cache: Cache | None, document_starts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """SiLU(causal depthwise conv) over time; with a cache, the last `conv_size` inputs are carried over.
+
+        With `document_starts`, a tap that would read a token of an earlier document reads 0 instead, as if each
+        document were alone (there, the left zero padding).
+        """
         seq_len = qkv.shape[1]
         x = qkv.transpose(1, 2)  # [B, C, T]
         if cache is not None:  # prefill: x (zero-padded to conv_size); decoding: [cached window | x]
             x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_size)
         x = nn.functional.pad(x, (self.conv_size - 1, 0))
-        y = nn.functional.conv1d(x, self.conv1d.weight, groups=x.shape[1])[..., -seq_len:]
+        if document_starts is None:
+            y = nn.functional.conv1d(x, self.conv1d.weight, groups=x.shape[1])[..., -seq_len:]
+        else:
+            # The document of every input, inputs before the new tokens (cached window, padding) in the first one.
+            document = nn.functional.pad(document_starts.long().cumsum(-1), (x.shape[-1] - seq_len, 0))
+            document, x = document[:, -(seq_len + self.conv_size - 1) :], x[..., -(seq_len + self.conv_size - 1) :]
+            weight = self.conv1d.weight[:, 0]  # [C, K]: tap j reads input t - (K - 1) + j for output t
+            target = document[:, self.conv_size - 1 :]
+            y = sum(
+                weight[:, j, None] * x[..., j : j + seq_len] * (document[:, j : j + seq_len] == target).unsqueeze(1)
+                for j in range(self.conv_size)
+            )
         return nn.functional.silu(y).transpose(1, 2)
+
+
+def packed_document_starts(
+    position_ids: torch.Tensor | None,
+    cu_seq_lens: torch.Tensor | None,
+    shape: tuple[int, int],
+    past_seen_tokens: int,
+) -> torch.Tensor | None:
+    """Where documents start in packed rows, `[B, T]` bool, for what runs over tokens (the DeltaNet mixer's state and
+    short convolution, the TC/EC convolutions of the residual state); None when nothing is packed.
+
+    Packed / padding-free batches (trl `packing=True`, `DataCollatorWithFlattening`) put several documents in one
+    row: a document starts where the caller's `position_ids` restart at 0, and at every `cu_seq_lens` boundary
+    (cumulative lengths over the flattened batch, as flash-attention kwargs). A cache that already holds tokens
+    cannot be continued by a new document (its state belongs to the previous one): refused.
+    """
+    if position_ids is None and cu_seq_lens is None:
+        return None
+    if past_seen_tokens and cu_seq_lens is None and not bool((position_ids == 0).any()):
+        return None  # decoding (generate passes position_ids every step): one check, nothing starts
+    starts = torch.zeros(shape, dtype=torch.bool, device=(position_ids if cu_seq_lens is None else cu_seq_lens).device)
+    if position_ids is not None:
+        starts = starts | (position_ids == 0)
+    if cu_seq_lens is not None:
+        boundaries = cu_seq_lens[:-1].long()
+        starts = starts.flatten().index_fill(0, boundaries[boundaries < starts.numel()], True).view(shape)
+    if past_seen_tokens:
+        if cu_seq_lens is not None or bool(starts.any()):
+            raise ValueError(
+                "Packed input (position_ids restarting at 0 or cu_seq_lens) cannot continue a cache that already "
+                f"holds {past_seen_tokens} tokens, whose recurrent state / convolution windows belong to "
+                "the previous document. Run packed rows without past_key_values (or with an empty cache)."
+            )
+        return None  # nothing starts: the usual decoding path
+    return starts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -511,6 +577,8 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         **kwargs,
     ) -> torch.Tensor:
         normed = self.ln_1(self.attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
+        if isinstance(self.attn, DeltaNetAttention) and delta_context is not None:
+            kwargs["document_starts"] = delta_context.document_starts  # attention reads documents from its mask
         attn_output, _ = self.attn(
             normed,
             past_key_values=past_key_values,
@@ -803,6 +871,12 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
 
+        document_starts = None
+        if delta_net or temporal:  # packed rows: states and windows that run over tokens restart at each document
+            cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
+            shape = (batch_size, input_shape[-1])
+            document_starts = packed_document_starts(position_ids, cu_seq_lens, shape, past_seen_tokens)
+
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
         if position_ids is None:
@@ -818,6 +892,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         delta_context = DeltaConvContext(
             token_mask=attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None,
             cache=past_key_values if temporal and not checkpointing else None,
+            document_starts=document_starts,
         )
         if delta_net:  # causal by construction: DeltaNet only needs the 2-D padding mask
             if attention_mask is not None and attention_mask.ndim != 2:

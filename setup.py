@@ -32,7 +32,17 @@ setup(
         "matplotlib>=3.7",
         "tqdm>=4.66",
     ],
-    extras_require={"dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"]},
+    extras_require={
+        "dev": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            # DeltaNet ONNX export test (torch.onnx.export(dynamo=True) + onnxruntime)
+            "onnx>=1.17",
+            "onnxscript>=0.3",
+            "onnxruntime>=1.20",
+        ]
+    },
     entry_points={
         "console_scripts": [
             "ddl-hf=ddl_hf.cli:main",
