@@ -65,8 +65,7 @@ def test_beta_statistics_in_trainer_logs(uninterrupted):
     torch.manual_seed(0)
     model(ids)
     callback.on_train_end(trainer.args, trainer.state, trainer.control)
-    logs = {"loss": 1.0}
-    callback.on_log(trainer.args, trainer.state, trainer.control, logs=logs)
+    logs = callback.pop_stats()
     model.eval()
     with torch.no_grad():
         torch.manual_seed(0)
@@ -74,6 +73,8 @@ def test_beta_statistics_in_trainer_logs(uninterrupted):
     model.eval()
     assert logs["beta/L0.attn/mean"] == pytest.approx(float(betas[0].mean()), rel=1e-5)
     assert logs["beta/L1.mlp/keep"] == pytest.approx(float((betas[3] < 0.5).float().mean()), abs=1e-6)
+    assert logs["beta_max"] == pytest.approx(max(float(b.max()) for b in betas), rel=1e-6)
+    assert logs["beta_mean"] == pytest.approx(float(torch.stack(betas).mean()), rel=1e-5)
     state = json.loads((tmp / "run" / "checkpoint-6" / "trainer_state.json").read_text())
     assert any("beta/L0.attn/mean" in e for e in state["log_history"])
 
