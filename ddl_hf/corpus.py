@@ -7,9 +7,10 @@ from `ddl_hf/data/` (see `ddl_hf/data/README.md` for sources and licences).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -100,7 +101,10 @@ def tokenize_and_chunk(
     """
 
     def tokenize(batch: dict) -> dict:
-        return tokenizer([text + "\n\n" for text in batch["text"]])
+        # verbose=False silences only "Token indices sequence length is longer than the specified maximum": a long
+        # paragraph is fine here, the stream is cut into `block_size` blocks below. No padding or truncation is
+        # requested, so the other warnings that `verbose` gates cannot arise.
+        return tokenizer([text + "\n\n" for text in batch["text"]], return_attention_mask=False, verbose=False)
 
     def group(batch: dict) -> dict:
         ids = list(chain.from_iterable(batch["input_ids"]))
@@ -117,12 +121,28 @@ def tokenize_and_chunk(
     if max_blocks is None:
         return chunk(dataset)
     # Tokenize only as many leading paragraphs as the budget needs (the whole corpus takes seconds, tests need ms).
+    # These sub-second passes would print two `datasets` progress bars each; they run without.
     n_rows = min(len(dataset), 64)
-    while True:
-        blocks = chunk(dataset.select(range(n_rows)))
-        if len(blocks) >= max_blocks or n_rows == len(dataset):
-            return blocks.select(range(min(max_blocks, len(blocks))))
-        n_rows = min(len(dataset), n_rows * 4)
+    with _quiet_progress_bars():
+        while True:
+            blocks = chunk(dataset.select(range(n_rows)))
+            if len(blocks) >= max_blocks or n_rows == len(dataset):
+                return blocks.select(range(min(max_blocks, len(blocks))))
+            n_rows = min(len(dataset), n_rows * 4)
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """Disable `datasets` progress bars inside the block, restoring the user's setting afterwards."""
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
 
 
 def lm_datasets(

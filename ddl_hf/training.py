@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +37,33 @@ from transformers import (
 )
 from transformers.utils import logging
 
+from .callbacks import DeltaStatsCallback, use_compact_console
 from .corpus import gpt2_tokenizer, load_text, tokenize_and_chunk
 from .unwrap import find_delta_model
 
 logger = logging.get_logger(__name__)
 
-DEFAULT_CACHE_DIR = Path(os.environ.get("DDL_HF_CACHE", Path.home() / ".cache" / "ddl_hf"))
+
+def default_cache_dir() -> Path:
+    """Where `ddl_hf` caches what it builds (the demo's small base GPT-2), following the Hugging Face conventions.
+
+    `$DDL_HF_CACHE` when set, else `$XDG_CACHE_HOME/ddl_hf`, else `~/.cache/ddl_hf`. Resolved at every call, not at
+    import, so setting the variables after `import ddl_hf` (in a notebook, a test, a launcher) takes effect.
+    """
+    own = os.environ.get("DDL_HF_CACHE")
+    if own:
+        return Path(own).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "ddl_hf"
+    return Path.home() / ".cache" / "ddl_hf"
+
+
+def __getattr__(name: str) -> Any:
+    # `DEFAULT_CACHE_DIR` (the old module constant) is kept for compatibility, resolved when read.
+    if name == "DEFAULT_CACHE_DIR":
+        return default_cache_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DeltaTrainer(Trainer):
@@ -48,12 +71,27 @@ class DeltaTrainer(Trainer):
 
     Why: converted models start with every gate exactly closed (beta = 0), and only the opening parameter gets a
     gradient there. A larger learning rate for the few Delta parameters lets gates open within a short fine-tune
-    without changing how the pretrained GPT-2 weights are trained. With `delta_lr_scale=1` it is plain Trainer.
+    without changing how the pretrained GPT-2 weights are trained. With `delta_lr_scale=1` the optimizer is plain
+    Trainer's.
+
+    With a `DeltaStatsCallback` among the callbacks, the beta statistics are put into each training log entry
+    before any callback runs (`log`), so reporting integrations (TensorBoard, W&B; Trainer places them before user
+    callbacks) record every per-block key, while the console shows only the `beta_mean`/`beta_max`/`beta_keep`
+    summary (Trainer's progress/printer callback is swapped for its compact variant).
     """
 
     def __init__(self, *args: Any, delta_lr_scale: float = 1.0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.delta_lr_scale = float(delta_lr_scale)
+        use_compact_console(self.callback_handler.callbacks)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer.log, with the beta statistics of every `DeltaStatsCallback` added to training log entries first."""
+        if "loss" in logs:
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, DeltaStatsCallback):
+                    logs.update(callback.pop_stats())
+        super().log(logs, start_time)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         opt_model = self.model if model is None else model
@@ -147,10 +185,42 @@ class BaseSpec:
         return f"gpt2-{self.n_layer}x{self.n_embd}-{self.corpus}-{self.steps}steps-{digest}"
 
 
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the Python, NumPy and torch (CPU and CUDA) random states on exit.
+
+    Why: pretraining the base seeds and draws from the global generators (Trainer calls `set_seed`), but it runs
+    only when the base is not cached yet. Without this, everything random after `base_gpt2` (the Delta parameters'
+    initialisation at conversion, for one) would differ between a first run and a cached one at the same seed.
+    """
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def pretrain_small_gpt2(
     spec: BaseSpec, output_dir: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> GPT2LMHeadModel:
-    """Pretrain a small GPT-2 (GPT-2's BPE, 50257 tokens) from scratch with `Trainer`; save it to `output_dir`."""
+    """Pretrain a small GPT-2 (GPT-2's BPE, 50257 tokens) from scratch with `Trainer`; save it to `output_dir`.
+
+    Seeded by `spec.seed` alone; the caller's random state is left as it was (`preserved_rng`).
+    """
+    with preserved_rng():
+        return _pretrain_small_gpt2(spec, output_dir, tokenizer)
+
+
+def _pretrain_small_gpt2(
+    spec: BaseSpec, output_dir: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | None
+) -> GPT2LMHeadModel:
     tokenizer = tokenizer or gpt2_tokenizer()
     config = GPT2Config(
         vocab_size=len(tokenizer),
@@ -194,10 +264,14 @@ def base_gpt2(
 ) -> tuple[GPT2LMHeadModel, PreTrainedTokenizerBase, str]:
     """The demo's base GPT-2 and its tokenizer, plus a description of where it came from.
 
+    The model's `loss_type` is set to "ForCausalLM" (`use_causal_lm_loss_accounting`): exact loss accounting in
+    Trainer, and no "`loss_type=None` ... unrecognized" warning when it is called with labels.
+
     `base` is a Hub id (e.g. "gpt2", needs network) or a directory. Without it, a small GPT-2 is pretrained on
-    the bundled Austen corpus once and cached under `cache_dir` (default `~/.cache/ddl_hf`, or `$DDL_HF_CACHE`);
-    later calls load the cached copy. The cache entry is written to a temporary directory and renamed, so an
-    interrupted run never leaves a half-written base behind.
+    the bundled Austen corpus once and cached under `cache_dir` (default: `default_cache_dir()`, i.e.
+    `$DDL_HF_CACHE`, else `$XDG_CACHE_HOME/ddl_hf`, else `~/.cache/ddl_hf`); later calls load the cached copy.
+    The cache entry is written to a temporary directory and renamed, so an interrupted run never leaves a
+    half-written base behind.
     """
     if base is not None:
         from transformers import AutoTokenizer
@@ -209,14 +283,15 @@ def base_gpt2(
             tokenizer = gpt2_tokenizer()
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        return model.eval(), tokenizer, f"{base}"
+        return use_causal_lm_loss_accounting(model.eval()), tokenizer, f"{base}"
 
     spec = spec or BaseSpec()
-    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / "base" / spec.key()
     tokenizer = gpt2_tokenizer()
     if (target / "model.safetensors").exists():
-        return GPT2LMHeadModel.from_pretrained(target).eval(), tokenizer, f"cached small GPT-2 at {target}"
+        model = use_causal_lm_loss_accounting(GPT2LMHeadModel.from_pretrained(target).eval())
+        return model, tokenizer, f"cached small GPT-2 at {target}"
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
@@ -229,13 +304,18 @@ def base_gpt2(
     finally:
         if scratch.exists():
             shutil.rmtree(scratch, ignore_errors=True)
-    return GPT2LMHeadModel.from_pretrained(target).eval(), tokenizer, f"small GPT-2 pretrained here, cached at {target}"
+    model = use_causal_lm_loss_accounting(GPT2LMHeadModel.from_pretrained(target).eval())
+    return model, tokenizer, f"small GPT-2 pretrained here, cached at {target}"
 
 
 def add_base_arguments(parser: argparse.ArgumentParser) -> None:
     """`--base` / `--cache-dir`, the way every example picks its base GPT-2."""
     parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: small cached GPT-2)")
-    parser.add_argument("--cache-dir", default=None, help="cache of the small base GPT-2 (default ~/.cache/ddl_hf)")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache of the small base GPT-2 (default $DDL_HF_CACHE, else $XDG_CACHE_HOME/ddl_hf, else ~/.cache/ddl_hf)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,13 +386,14 @@ def finetune(
 
 
 __all__ = [
-    "DEFAULT_CACHE_DIR",
     "BaseSpec",
     "DeltaTrainer",
     "FinetuneResult",
     "add_base_arguments",
     "base_gpt2",
+    "default_cache_dir",
     "finetune",
+    "preserved_rng",
     "pretrain_small_gpt2",
     "training_arguments",
     "use_causal_lm_loss_accounting",

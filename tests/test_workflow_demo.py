@@ -37,6 +37,14 @@ def test_demo_smoke_pipeline(tmp_path):
     _, _, origin = base_gpt2(cache_dir=cache, spec=demo.SMOKE_SPEC)
     assert origin.startswith("cached small GPT-2")
     assert (cached[0] / "model.safetensors").stat().st_mtime_ns == mtime
+    # Reproducible: a second run at the same seed, now with the cached base (so no pretraining draws from the
+    # random generators before the conversion), ends with bit-identical DeltaGPT weights and eval losses.
+    again = demo.main(["--smoke", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "again")])
+    assert again["base"].startswith("cached small GPT-2")
+    for name in ("gpt2", "delta_gpt"):
+        assert again[name] == summary[name]
+    weights = "delta-gpt/model.safetensors"
+    assert (tmp_path / "again" / weights).read_bytes() == (out / weights).read_bytes()
 
 
 def test_device_map_auto_loads_the_same_model(tmp_path):

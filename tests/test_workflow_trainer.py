@@ -77,10 +77,9 @@ def test_beta_statistics_in_trainer_logs(uninterrupted):
     for hook in hooks:
         hook.remove()
     model.eval()
-    logs = {"loss": 1.0}
-    callback.on_log(trainer.args, trainer.state, trainer.control, logs=logs)
+    logs = callback.pop_stats()
 
-    regimes = []
+    regimes, all_betas = [], []
     for label, (residual, _) in sites.items():
         gate = residual.beta_proj
         assert isinstance(gate, torch.nn.Linear)  # the example's gate: logit = w . c + b
@@ -97,6 +96,11 @@ def test_beta_statistics_in_trainer_logs(uninterrupted):
         for stat, value in reference.items():
             assert logs[f"beta/{label}/{stat}"] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{label} {stat}"
         regimes.append(reference)
+        all_betas.append(beta)
+    all_betas = torch.stack(all_betas)  # the console summary: over every block and token
+    assert logs["beta_mean"] == pytest.approx(float(all_betas.mean()), rel=1e-5)
+    assert logs["beta_max"] == pytest.approx(float(all_betas.max()), rel=1e-5)
+    assert logs["beta_keep"] == pytest.approx(float((all_betas < 0.5).double().mean()), abs=1e-6)
     # Not vacuous: every regime occurs, and the means are far from the closed gates' 0.
     assert all(r["mean"] > 0.1 for r in regimes)
     assert all(max(r[k] for r in regimes) > 0 for k in ("keep", "project", "reflect"))
