@@ -18,6 +18,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["ddl_hf", "ddl_hf.*"]),
+    py_modules=["ddl_hf_cli"],  # the light parser module behind the console commands
     include_package_data=True,
     package_data={"ddl_hf": ["*.md", "data/*"]},
     install_requires=[
@@ -35,8 +36,8 @@ setup(
     extras_require={"dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"]},
     entry_points={
         "console_scripts": [
-            "ddl-hf=ddl_hf.cli:main",
-            "convert-gpt2-to-delta-gpt=ddl_hf.cli:convert_main",
+            "ddl-hf=ddl_hf_cli:main",
+            "convert-gpt2-to-delta-gpt=ddl_hf_cli:convert_main",
         ]
     },
 )
