@@ -116,3 +116,45 @@ def test_usage_errors_exit_2_with_an_error_line():
     done, _ = _run("import ddl_hf_cli; ddl_hf_cli.convert_main(['--output', 'x'])")
     assert done.returncode == 2
     assert "convert-gpt2-to-delta-gpt: error: the following arguments are required: --source" in done.stderr
+
+
+def test_offline_hub_id_fails_in_seconds_and_names_the_fix(tmp_path, monkeypatch):
+    """The network is unreachable here (and HF_HUB_OFFLINE=1 covers machines where it is not): no 30 s of retries."""
+    import ddl_hf
+    from ddl_hf.conversion import converting
+
+    monkeypatch.setattr(converting, "HUB_PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache" / "hub"))
+    if converting.hub_reachable():
+        monkeypatch.setattr(converting, "hub_reachable", lambda timeout=2.0: False)
+    start = time.perf_counter()
+    with pytest.raises(ddl_hf.ConversionError) as caught:
+        ddl_hf.convert_gpt2("gpt2")
+    seconds = time.perf_counter() - start
+    assert seconds < 5.0, f"offline error took {seconds:.1f} s"
+    message = str(caught.value)
+    assert "unreachable" in message and "local GPT-2 directory" in message and "HF_HUB_OFFLINE" in message
+
+
+def test_hub_offline_env_skips_the_probe(monkeypatch):
+    from huggingface_hub import constants
+
+    from ddl_hf.conversion import converting
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(converting.socket, "create_connection", lambda *a, **k: pytest.fail("probed the network"))
+    assert converting.hub_reachable() is False
+    assert converting.hub_kwargs("gpt2") == {"local_files_only": True}
+
+
+def test_convert_missing_local_source_says_no_such_directory(tmp_path):
+    done, _ = _run(
+        "import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main(['convert', '--quiet', '--source', './does-not-exist', "
+        f"'--output', {str(tmp_path / 'out')!r}]))"
+    )
+    assert done.returncode == 1
+    line = _one_error_line(done.stderr)
+    assert "No such directory: './does-not-exist'" in line and "Hub id" in line
+    assert "repo id" not in line.lower()
+    assert not (tmp_path / "out").exists()

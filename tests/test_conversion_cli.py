@@ -350,7 +350,7 @@ def test_delta_source_is_refused(converted_dir, tmp_path, capsys):
 def test_missing_source_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     code = run_convert("--source", str(tmp_path / "nowhere"), "--output", str(out))
-    assert_refused(capsys, code, out, "Cannot read a model config", "Hub id")
+    assert_refused(capsys, code, out, "No such directory", "Hub id")
 
 
 def test_missing_and_unexpected_weights_are_listed(source_dir, tmp_path, capsys):

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 from ..configuration_delta_gpt import DeltaGPTConfig
 from ..modeling_delta_gpt import DeltaGPTForCausalLM
 from .atomic import atomic_directory
-from .converting import _convert, _quiet_transformers, _resolve_dtype, load_gpt2
+from .converting import _convert, _quiet_transformers, _resolve_dtype, hub_kwargs, load_gpt2
 from .errors import ConversionError
 from .verifying import EQUIVALENCE_TOLERANCE, EquivalenceReport, equivalence_report, sample_input_ids
 
@@ -122,7 +122,7 @@ def _load_tokenizer(source: str | os.PathLike):
         logger.info(f"{name} has no tokenizer files; the output will hold the model only.")
         return None
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, **hub_kwargs(name))
     except (OSError, ValueError, TypeError) as error:
         if os.path.isdir(name):
             raise ConversionError(
