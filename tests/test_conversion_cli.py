@@ -569,3 +569,26 @@ def test_atomic_directory_turns_sigterm_into_a_clean_interrupt(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
     assert listing(tmp_path) == set()
     assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_model_card_of_a_local_source_has_no_machine_paths(source_dir, tmp_path):
+    out = tmp_path / "local-card"
+    assert run_convert("--source", str(source_dir), "--output", str(out)) == 0
+    readme = (out / "README.md").read_text()
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model is None  # a local source is no Hub id
+    for path in (str(source_dir), str(out), str(tmp_path), os.path.expanduser("~")):
+        assert path not in readme, path
+    assert "pip install" not in readme
+    assert 'from_pretrained("path/to/this/directory", trust_remote_code=True)' in readme
+
+
+def test_model_card_with_push_target_loads_by_repo_id(source_dir, tmp_path):
+    from ddl_hf.conversion import convert_checkpoint
+
+    out = tmp_path / "pushed-card"
+    convert_checkpoint(source_dir, out, progress=False, hub_repo_id="someone/tiny-delta", base_model="someone/tiny")
+    readme = (out / "README.md").read_text()
+    assert ModelCard.load(out / "README.md").data.base_model == "someone/tiny"
+    assert 'from_pretrained("someone/tiny-delta", trust_remote_code=True)' in readme
+    assert str(tmp_path) not in readme

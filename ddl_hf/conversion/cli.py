@@ -14,6 +14,7 @@ from pathlib import Path
 from ddl_hf_cli import add_convert_subcommand
 
 from ..configuration_delta_gpt import DELTA_GATES
+from .converting import looks_like_path
 from .errors import ConversionError
 from .hub import convert_checkpoint, push_converted_to_hub
 
@@ -28,14 +29,15 @@ def run_cli(args: argparse.Namespace) -> int:
 
     `kill PID` is handled like Ctrl-C (`convert_checkpoint` turns SIGTERM into KeyboardInterrupt while it writes).
     """
+    source_shown = "path/to/gpt2" if looks_like_path(args.source) else args.source  # no machine paths in the card
     command = (
-        f"convert-gpt2-to-delta-gpt --source {args.source} --output OUT --delta-mode {args.delta_mode} "
+        f"convert-gpt2-to-delta-gpt --source {source_shown} --output OUT --delta-mode {args.delta_mode} "
         f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
         + (f" --gate {args.gate}" if args.gate != DELTA_GATES[0] else "")
     )
     if args.push_to_hub and not args.base_model and os.path.exists(args.source):
         print(
-            f"note: the model card's base_model will be the local path {args.source}; pass --base-model HUB_ID "
+            f"note: {args.source} is a local path, so the model card has no base_model; pass --base-model HUB_ID "
             "to link the Hub repository to the model it was converted from.",
             file=sys.stderr,
         )
