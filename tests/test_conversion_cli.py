@@ -592,3 +592,29 @@ def test_model_card_with_push_target_loads_by_repo_id(source_dir, tmp_path):
     assert ModelCard.load(out / "README.md").data.base_model == "someone/tiny"
     assert 'from_pretrained("someone/tiny-delta", trust_remote_code=True)' in readme
     assert str(tmp_path) not in readme
+
+
+def test_tokenizer_loads_without_ddl_hf_and_without_prompt(converted_dir, tmp_path):
+    """The card's remote-code path, in a fresh isolated process (no ddl_hf on the path) with stdin closed."""
+    readme = (converted_dir / "README.md").read_text()
+    assert 'AutoTokenizer.from_pretrained("path/to/this/directory", trust_remote_code=True)' in readme
+    code = (
+        "import sys\n"
+        "sys.modules['ddl_hf'] = None  # the editable install would make it importable even under -I\n"
+        "from transformers import AutoTokenizer\n"
+        "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(type(tokenizer).__name__, tokenizer('hello world')['input_ids'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code, str(converted_dir)],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("GPT2Tokenizer ")
+    assert "ddl_hf" not in done.stderr
+    assert "[y/N]" not in done.stdout + done.stderr
+    assert "model of type" not in done.stderr and done.stderr.strip() == "", done.stderr

@@ -110,7 +110,10 @@ tokenizer = AutoTokenizer.from_pretrained("{load_id}")
 With only `torch` and `transformers`, the two custom-code files in this repository are used:
 
 ```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 model = AutoModelForCausalLM.from_pretrained("{load_id}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{load_id}", trust_remote_code=True)  # without it, AutoTokenizer asks
 ```
 
 `model(..., output_betas=True).betas` returns the gate of every Delta block. While every gate is closed,
