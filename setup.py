@@ -18,6 +18,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["ddl_hf", "ddl_hf.*"]),
+    py_modules=["ddl_hf_cli"],  # the light parser module behind the console commands
     include_package_data=True,
     package_data={"ddl_hf": ["*.md", "data/*"]},
     install_requires=[
@@ -45,8 +46,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "ddl-hf=ddl_hf.cli:main",
-            "convert-gpt2-to-delta-gpt=ddl_hf.cli:convert_main",
+            "ddl-hf=ddl_hf_cli:main",
+            "convert-gpt2-to-delta-gpt=ddl_hf_cli:convert_main",
         ]
     },
 )

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 try:
-    from ddl_hf.cli import convert_main
+    from ddl_hf_cli import convert_main
 except ImportError:  # a plain checkout: the package lives one directory up
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from ddl_hf.cli import convert_main
+    from ddl_hf_cli import convert_main
 
 if __name__ == "__main__":
     sys.exit(convert_main())

@@ -1,35 +1,16 @@
-"""`ddl-hf` command line: `ddl-hf convert ...`, `ddl-hf inspect ...`."""
+"""`ddl-hf` command line: `ddl-hf convert ...`, `ddl-hf inspect ...`.
+
+The parsers live in the top-level module `ddl_hf_cli` (no torch import, so `--help` is instant); this module
+keeps `python -m ddl_hf.cli` and `ddl_hf.cli.main` working.
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from ddl_hf_cli import build_convert_parser, build_parser, convert_main, main
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddl-hf", description="Deep Delta Learning (DeltaGPT) tools.")
-    subcommands = parser.add_subparsers(dest="command", required=True)
-    from . import conversion
-
-    conversion.add_cli(subcommands)
-    try:
-        from . import inspection
-    except ImportError:  # pragma: no cover - the inspect subcommand ships with the workflows
-        pass
-    else:
-        inspection.add_cli(subcommands)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-def convert_main(argv: list[str] | None = None) -> int:
-    """Console command `convert-gpt2-to-delta-gpt`: the same as `ddl-hf convert`."""
-    return main(["convert", *(sys.argv[1:] if argv is None else argv)])
-
+__all__ = ["build_convert_parser", "build_parser", "convert_main", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,38 +101,59 @@ def load_model_and_tokenizer(name: str) -> tuple[PreTrainedModel, PreTrainedToke
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    """The `inspect` subcommand: print the table, write the heat-map."""
-    text = Path(args.text).read_text(encoding="utf-8")
-    model, tokenizer = load_model_and_tokenizer(args.model)
-    result = beta_map(model, tokenizer, text, max_tokens=args.max_tokens)
+    """The `inspect` subcommand: print the table, write the heat-map; one `error:` line and exit 1 on a user error."""
+    text_path = Path(args.text)
+    if not text_path.is_file():
+        return _fail(f"no such text file: {args.text}. Pass --text with an existing UTF-8 text file.")
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        return _fail(f"cannot read {args.text} as UTF-8 text ({error}). Pass --text with a UTF-8 text file.")
+    if _looks_local(args.model) and not os.path.isdir(args.model):
+        return _fail(f"no such model directory: {args.model}. Pass a converted DeltaGPT directory or a Hub id.")
+    try:
+        model, tokenizer = load_model_and_tokenizer(args.model)
+        result = beta_map(model, tokenizer, text, max_tokens=args.max_tokens)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return _fail(
+            f"cannot inspect {args.model}: {first_line}. Pass a DeltaGPT directory written by `ddl-hf convert` "
+            "(or its Hub id) and a non-empty --text."
+        )
     print(f"beta per Delta block of {args.model} on {args.text} ({len(result.tokens)} tokens)")
     print(result.table())
-    output = args.output or f"{Path(args.text).stem}_betas.png"
-    result.plot(output, title=f"beta of {Path(args.model).name} on {Path(args.text).name}")
+    output = args.output or f"{text_path.stem}_betas.png"
+    try:
+        result.plot(output, title=f"beta of {Path(args.model).name} on {text_path.name}")
+    except OSError as error:
+        return _fail(f"cannot write the heat-map {output} ({error}). Pass --output with a writable path.")
     print(f"heat-map written to {output}")
     return 0
 
 
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Register `ddl-hf inspect`."""
-    parser = subparsers.add_parser(
-        "inspect",
-        help="per-layer beta report and heat-map of a DeltaGPT model on a text",
-        description="Show which Delta blocks keep (beta<0.5), forget/project (0.5-1.5) or reflect (>1.5).",
-    )
-    parser.add_argument("model", help="DeltaGPT Hub id or directory")
-    parser.add_argument("--text", required=True, help="UTF-8 text file to run the model on")
-    parser.add_argument("--output", default=None, help="heat-map PNG path (default: <text stem>_betas.png)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="number of leading tokens to inspect")
-    parser.set_defaults(func=run_inspect)
+def _looks_local(name: str) -> bool:
+    """A path rather than a Hub id ("org/name"): starts like a path, has more than one "/", or exists."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def _fail(message: str) -> int:
+    """Print one `error:` line to stderr and return the exit code 1, like argparse's own usage errors."""
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `ddl-hf inspect` (the arguments are defined in the light `ddl_hf_cli`)."""
+    from ddl_hf_cli import add_inspect_subcommand
+
+    return add_inspect_subcommand(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ddl_hf.inspection MODEL --text FILE`: the same as `ddl-hf inspect MODEL --text FILE`."""
-    parser = argparse.ArgumentParser(prog="ddl-hf")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args) or 0)
+    from ddl_hf_cli import main as cli_main
+
+    return cli_main(["inspect", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

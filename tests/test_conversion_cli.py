@@ -350,7 +350,7 @@ def test_delta_source_is_refused(converted_dir, tmp_path, capsys):
 def test_missing_source_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     code = run_convert("--source", str(tmp_path / "nowhere"), "--output", str(out))
-    assert_refused(capsys, code, out, "Cannot read a model config", "Hub id")
+    assert_refused(capsys, code, out, "No such directory", "Hub id")
 
 
 def test_missing_and_unexpected_weights_are_listed(source_dir, tmp_path, capsys):
@@ -569,3 +569,52 @@ def test_atomic_directory_turns_sigterm_into_a_clean_interrupt(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
     assert listing(tmp_path) == set()
     assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_model_card_of_a_local_source_has_no_machine_paths(source_dir, tmp_path):
+    out = tmp_path / "local-card"
+    assert run_convert("--source", str(source_dir), "--output", str(out)) == 0
+    readme = (out / "README.md").read_text()
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model is None  # a local source is no Hub id
+    for path in (str(source_dir), str(out), str(tmp_path), os.path.expanduser("~")):
+        assert path not in readme, path
+    assert "pip install" not in readme
+    assert 'from_pretrained("path/to/this/directory", trust_remote_code=True)' in readme
+
+
+def test_model_card_with_push_target_loads_by_repo_id(source_dir, tmp_path):
+    from ddl_hf.conversion import convert_checkpoint
+
+    out = tmp_path / "pushed-card"
+    convert_checkpoint(source_dir, out, progress=False, hub_repo_id="someone/tiny-delta", base_model="someone/tiny")
+    readme = (out / "README.md").read_text()
+    assert ModelCard.load(out / "README.md").data.base_model == "someone/tiny"
+    assert 'from_pretrained("someone/tiny-delta", trust_remote_code=True)' in readme
+    assert str(tmp_path) not in readme
+
+
+def test_tokenizer_loads_without_ddl_hf_and_without_prompt(converted_dir, tmp_path):
+    """The card's remote-code path, in a fresh isolated process (no ddl_hf on the path) with stdin closed."""
+    readme = (converted_dir / "README.md").read_text()
+    assert 'AutoTokenizer.from_pretrained("path/to/this/directory", trust_remote_code=True)' in readme
+    code = (
+        "import sys\n"
+        "sys.modules['ddl_hf'] = None  # the editable install would make it importable even under -I\n"
+        "from transformers import AutoTokenizer\n"
+        "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(type(tokenizer).__name__, tokenizer('hello world')['input_ids'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code, str(converted_dir)],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("GPT2Tokenizer ")
+    assert "ddl_hf" not in done.stderr
+    assert "[y/N]" not in done.stdout + done.stderr
+    assert "model of type" not in done.stderr and done.stderr.strip() == "", done.stderr

@@ -1,6 +1,6 @@
 """`ddl-hf convert` (also the console command `convert-gpt2-to-delta-gpt`): arguments in, report or one error out.
 
-The only place in the conversion package that prints; the choices it offers are read off the config's constants.
+The only place in the conversion package that prints; the flags are defined in `ddl_hf_cli` (no torch import).
 """
 
 from __future__ import annotations
@@ -11,40 +11,17 @@ import os
 import sys
 from pathlib import Path
 
-from ..configuration_delta_gpt import DELTA_GATES, DELTA_MODES
-from .converting import DTYPES
-from .errors import ConversionError
-from .hub import DEFAULT_MAX_SHARD_SIZE, convert_checkpoint, push_converted_to_hub
+from ddl_hf_cli import add_convert_subcommand
 
-DELTA_MODE_HELP = (
-    "additive (default): keep GPT-2's x + F(x) and add the Delta term, so beta = 0 is exactly GPT-2; "
-    "paper: the paper's eq. 2.5, where beta = 0 makes every block the identity"
-)
+from ..configuration_delta_gpt import DELTA_GATES
+from .converting import looks_like_path
+from .errors import ConversionError
+from .hub import convert_checkpoint, push_converted_to_hub
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `convert` to the `ddl-hf` command line (also the console command `convert-gpt2-to-delta-gpt`)."""
-    parser = subparsers.add_parser(
-        "convert",
-        help="convert a GPT-2 checkpoint into a DeltaGPT Hub repository",
-        description="Convert a GPT-2 checkpoint (Hub id or directory) into a DeltaGPT that starts equivalent to it, "
-        "write a complete Hub repository to OUT, and print a verification report.",
-    )
-    parser.add_argument("--source", required=True, help="Hub id (gpt2, gpt2-medium, ...) or local GPT-2 directory")
-    parser.add_argument("--output", required=True, help="output directory (a complete Hub repository)")
-    parser.add_argument("--delta-mode", choices=DELTA_MODES, default=DELTA_MODES[0], help=DELTA_MODE_HELP)
-    parser.add_argument("--value-channels", type=int, default=1, help="d_v, value channels of the state (default 1)")
-    parser.add_argument("--beta-init", type=float, default=0.0, help="initial beta in [0, 2] (default 0: exact)")
-    parser.add_argument("--gate", choices=DELTA_GATES, default=DELTA_GATES[0], help="gate of each Delta block")
-    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto = the source's dtype")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
-    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="safetensors shard size (2GB)")
-    parser.add_argument("--base-model", help="Hub id written as base_model in the model card (default: --source)")
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub repository afterwards")
-    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create a private repository")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run_cli)
-    return parser
+    """Add `convert` to the `ddl-hf` command line (the flags are defined in the light `ddl_hf_cli`)."""
+    return add_convert_subcommand(subparsers)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -52,14 +29,15 @@ def run_cli(args: argparse.Namespace) -> int:
 
     `kill PID` is handled like Ctrl-C (`convert_checkpoint` turns SIGTERM into KeyboardInterrupt while it writes).
     """
+    source_shown = "path/to/gpt2" if looks_like_path(args.source) else args.source  # no machine paths in the card
     command = (
-        f"convert-gpt2-to-delta-gpt --source {args.source} --output OUT --delta-mode {args.delta_mode} "
+        f"convert-gpt2-to-delta-gpt --source {source_shown} --output OUT --delta-mode {args.delta_mode} "
         f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
         + (f" --gate {args.gate}" if args.gate != DELTA_GATES[0] else "")
     )
     if args.push_to_hub and not args.base_model and os.path.exists(args.source):
         print(
-            f"note: the model card's base_model will be the local path {args.source}; pass --base-model HUB_ID "
+            f"note: {args.source} is a local path, so the model card has no base_model; pass --base-model HUB_ID "
             "to link the Hub repository to the model it was converted from.",
             file=sys.stderr,
         )

@@ -11,7 +11,9 @@ import contextlib
 import copy
 import dataclasses
 import os
+import socket
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
@@ -123,6 +125,39 @@ def _describe_mismatch(entry) -> str:
     return str(entry)
 
 
+HUB_PROBE_TIMEOUT_S = 2.0
+
+
+def looks_like_path(name: str) -> bool:
+    """A filesystem path rather than a Hub id ("gpt2", "org/name"), so a missing one is "no such directory"."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or os.path.exists(name)
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the Hub can be reached: False at once under HF_HUB_OFFLINE, else one short TCP connect.
+
+    Without this an offline `from_pretrained("gpt2")` spends ~30 s in retries before failing; with it an offline
+    user gets the error in seconds, and an online user pays one connect. Behind a proxy the probe is skipped.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def hub_kwargs(name: str) -> dict:
+    """`from_pretrained` kwargs for `name`: `local_files_only=True` for a Hub id while the Hub is unreachable."""
+    return {} if os.path.isdir(name) or hub_reachable() else {"local_files_only": True}
+
+
 def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> GPT2LMHeadModel:
     """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
 
@@ -130,9 +165,21 @@ def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto
     that claims equivalence must instead refuse and list them.
     """
     name = os.fspath(source)
+    if not os.path.isdir(name) and looks_like_path(name):
+        raise ConversionError(
+            f"No such directory: {name!r}. Pass an existing local GPT-2 directory (holding config.json and the "
+            "weights) or a Hub id such as 'gpt2'."
+        )
+    hub = hub_kwargs(name)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, **hub)
     except (OSError, ValueError) as error:
+        if hub.get("local_files_only"):
+            raise ConversionError(
+                f"Cannot load {name!r}: the Hugging Face Hub is unreachable (no network, or HF_HUB_OFFLINE=1) and "
+                f"{name!r} is not in the local Hugging Face cache. Pass a local GPT-2 directory instead (for "
+                "example one written by GPT2LMHeadModel.save_pretrained), or run once online to fill the cache."
+            ) from error
         raise ConversionError(
             f"Cannot read a model config from {name!r}: {error}\nPass a Hub id such as 'gpt2' (this needs network "
             "access or a copy in the Hugging Face cache) or a local directory containing config.json."
@@ -142,7 +189,7 @@ def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto
         with _quiet_transformers():
             # ignore_mismatched_sizes: report wrongly shaped weights by name below instead of a bare error.
             model, info = GPT2LMHeadModel.from_pretrained(
-                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True
+                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True, **hub
             )
     except (OSError, RuntimeError, ValueError) as error:
         raise ConversionError(

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 from ..configuration_delta_gpt import DeltaGPTConfig
 from ..modeling_delta_gpt import DeltaGPTForCausalLM
 from .atomic import atomic_directory
-from .converting import _convert, _quiet_transformers, _resolve_dtype, load_gpt2
+from .converting import _convert, _quiet_transformers, _resolve_dtype, hub_kwargs, load_gpt2, looks_like_path
 from .errors import ConversionError
 from .verifying import EQUIVALENCE_TOLERANCE, EquivalenceReport, equivalence_report, sample_input_ids
 
@@ -33,30 +33,34 @@ DEFAULT_MAX_SHARD_SIZE = "2GB"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
+LOCAL_LOAD_ID = "path/to/this/directory"
+
+
 def model_card(
-    base_model: str,
+    base_model: str | None,
     report: EquivalenceReport | None,
     config: DeltaGPTConfig,
     command: str | None = None,
-    load_id: str = "THIS_REPO",
+    load_id: str = LOCAL_LOAD_ID,
 ) -> ModelCard:
     """A model card (README.md) saying what the model is, how it was made, how it checks out, and how to load it.
 
-    `load_id` is the Hub id (or path) shown in the loading examples.
+    `base_model` must be a Hub id or None (the card is published: a local path means nothing to its readers);
+    `load_id` is the Hub id shown in the loading examples, a neutral placeholder when it is not pushed.
     """
     card_data = ModelCardData(
         library_name="transformers",
-        base_model=base_model,
+        base_model=base_model or None,
         pipeline_tag="text-generation",
         tags=["delta-gpt", "deep-delta-learning", "gpt2", "text-generation", "custom_code"],
     )
     how = command or (
-        f"ddl_hf.convert_checkpoint({base_model!r}, OUT, delta_mode={config.delta_mode!r}, "
+        f"ddl_hf.convert_checkpoint({base_model or 'path/to/gpt2'!r}, OUT, delta_mode={config.delta_mode!r}, "
         f"value_channels={config.delta_value_channels}, beta_init={config.delta_beta_init})"
     )
     exact = config.delta_mode == "additive" and config.delta_beta_init == 0.0
     body = f"""
-# DeltaGPT converted from `{base_model}`
+# DeltaGPT converted from {f"`{base_model}`" if base_model else "a GPT-2 checkpoint"}
 
 A GPT-2 ({config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads) whose every attention and MLP residual
 is a Deep Delta Learning block (Zhang, Liu, Wang, Gu, *Deep Delta Learning*, arXiv 2601.00417):
@@ -93,7 +97,7 @@ against the source on held-out text before the files were written:
 
 ## How to load
 
-With `ddl_hf` installed (`pip install ddl-hf`), no remote code is needed:
+With the `ddl_hf` package installed (from its source repository; it is not on PyPI), no remote code is needed:
 
 ```python
 import ddl_hf  # registers DeltaGPT with the Auto classes
@@ -106,7 +110,10 @@ tokenizer = AutoTokenizer.from_pretrained("{load_id}")
 With only `torch` and `transformers`, the two custom-code files in this repository are used:
 
 ```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 model = AutoModelForCausalLM.from_pretrained("{load_id}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{load_id}", trust_remote_code=True)  # without it, AutoTokenizer asks
 ```
 
 `model(..., output_betas=True).betas` returns the gate of every Delta block. While every gate is closed,
@@ -122,7 +129,7 @@ def _load_tokenizer(source: str | os.PathLike):
         logger.info(f"{name} has no tokenizer files; the output will hold the model only.")
         return None
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, **hub_kwargs(name))
     except (OSError, ValueError, TypeError) as error:
         if os.path.isdir(name):
             raise ConversionError(
@@ -173,16 +180,13 @@ def convert_checkpoint(
     """
     output = Path(output).absolute()
     source_name = source if isinstance(source, (str, os.PathLike)) else None
-    if base_model is None:
-        base_model = (
-            os.fspath(source_name)
-            if source_name is not None
-            else getattr(source.config, "_name_or_path", "") or "gpt2-in-memory"
-        )
+    if base_model is None:  # only a Hub id belongs in a published card; a local path is dropped
+        name = os.fspath(source_name) if source_name is not None else getattr(source.config, "_name_or_path", "")
+        base_model = name if name and not looks_like_path(name) else None
     overrides = dict(
         config_overrides, delta_mode=delta_mode, delta_value_channels=value_channels, delta_beta_init=beta_init
     )
-    card = {"base_model": base_model, "command": command, "load_id": hub_repo_id or os.fspath(output)}
+    card = {"base_model": base_model, "command": command, "load_id": hub_repo_id or LOCAL_LOAD_ID}
 
     with _progress_bars(progress), atomic_directory(output, force=force) as tmp:
         bar = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)

@@ -1,0 +1,120 @@
+"""Argument definitions of `ddl-hf` and `convert-gpt2-to-delta-gpt`, importable without torch or transformers.
+
+A module beside the `ddl_hf` package, not in it: importing anything under `ddl_hf` runs `ddl_hf/__init__.py`,
+which imports transformers (seconds). Building the parser and printing `--help` must stay instant, so the choice
+tuples are repeated here (a test checks them against `configuration_delta_gpt`) and each command imports its
+heavy module only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Mirrors of configuration_delta_gpt.DELTA_MODES / DELTA_GATES and conversion.converting.DTYPES (checked by tests).
+DELTA_MODES = ("additive", "paper")
+DELTA_GATES = ("linear", "mlp")
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+
+DELTA_MODE_HELP = (
+    "additive (default): keep GPT-2's x + F(x) and add the Delta term, so beta = 0 is exactly GPT-2; "
+    "paper: the paper's eq. 2.5, where beta = 0 makes every block the identity"
+)
+CONVERT_DESCRIPTION = (
+    "Convert a GPT-2 checkpoint (Hub id or directory) into a DeltaGPT that starts equivalent to it, "
+    "write a complete Hub repository to OUT, and print a verification report."
+)
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `convert`, shared by `ddl-hf convert` and `convert-gpt2-to-delta-gpt`."""
+    parser.add_argument("--source", required=True, help="Hub id (gpt2, gpt2-medium, ...) or local GPT-2 directory")
+    parser.add_argument("--output", required=True, help="output directory (a complete Hub repository)")
+    parser.add_argument("--delta-mode", choices=DELTA_MODES, default=DELTA_MODES[0], help=DELTA_MODE_HELP)
+    parser.add_argument("--value-channels", type=int, default=1, help="d_v, value channels of the state (default 1)")
+    parser.add_argument("--beta-init", type=float, default=0.0, help="initial beta in [0, 2] (default 0: exact)")
+    parser.add_argument(
+        "--gate", choices=DELTA_GATES, default=DELTA_GATES[0], help="gate of each Delta block (default linear)"
+    )
+    parser.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto", help="auto = the source's dtype")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="safetensors shard size (2GB)")
+    parser.add_argument("--base-model", help="Hub id written as base_model in the model card (default: --source)")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub repository afterwards")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create a private repository")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_run_convert)
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `inspect`."""
+    parser.add_argument("model", help="DeltaGPT Hub id or directory")
+    parser.add_argument("--text", required=True, help="UTF-8 text file to run the model on")
+    parser.add_argument("--output", default=None, help="heat-map PNG path (default: <text stem>_betas.png)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="number of leading tokens to inspect")
+    parser.set_defaults(func=_run_inspect)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from ddl_hf.conversion.cli import run_cli
+
+    return run_cli(args)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from ddl_hf.inspection import run_inspect
+
+    return run_inspect(args)
+
+
+def add_convert_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `convert` to a `ddl-hf` style command line."""
+    parser = subparsers.add_parser(
+        "convert", help="convert a GPT-2 checkpoint into a DeltaGPT Hub repository", description=CONVERT_DESCRIPTION
+    )
+    add_convert_arguments(parser)
+    return parser
+
+
+def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `inspect` to a `ddl-hf` style command line."""
+    parser = subparsers.add_parser(
+        "inspect",
+        help="per-layer beta report and heat-map of a DeltaGPT model on a text",
+        description="Show which Delta blocks keep (beta<0.5), forget/project (0.5-1.5) or reflect (>1.5).",
+    )
+    add_inspect_arguments(parser)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `ddl-hf` parser (light: no torch, no transformers)."""
+    parser = argparse.ArgumentParser(prog="ddl-hf", description="Deep Delta Learning (DeltaGPT) tools.")
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    add_convert_subcommand(subcommands)
+    add_inspect_subcommand(subcommands)
+    return parser
+
+
+def build_convert_parser() -> argparse.ArgumentParser:
+    """The `convert-gpt2-to-delta-gpt` parser: the flags of `ddl-hf convert` under its own name."""
+    parser = argparse.ArgumentParser(prog="convert-gpt2-to-delta-gpt", description=CONVERT_DESCRIPTION)
+    add_convert_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console command `ddl-hf`."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """Console command `convert-gpt2-to-delta-gpt`: the same as `ddl-hf convert`."""
+    args = build_convert_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
