@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-# Mirrors of configuration_delta_gpt.DELTA_MODES / DELTA_GATES and conversion.converting.DTYPES (checked by tests).
+# Mirrors of configuration_delta_gpt's DELTA_* tuples and conversion.converting.DTYPES (checked by tests).
 DELTA_MODES = ("additive", "paper")
 DELTA_GATES = ("linear", "mlp")
+DELTA_STATE_READS = ("linear", "temporal_conv", "channel_conv")
+DELTA_EMBED_EXPANDS = ("repeat", "conv")
+DELTA_VALUES = ("linear", "constant")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 
@@ -37,6 +40,24 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gate", choices=DELTA_GATES, default=DELTA_GATES[0], help="gate of each Delta block (default linear)"
     )
+    variants = parser.add_argument_group("the paper's variants (docs/variants.md; every one converts exactly)")
+    variants.add_argument(
+        "--state-read",
+        choices=DELTA_STATE_READS,
+        default=DELTA_STATE_READS[0],
+        help="how a d_v > 1 state is read: linear (read vector), temporal_conv (TC), channel_conv (CC)",
+    )
+    variants.add_argument(
+        "--embed-expand",
+        choices=DELTA_EMBED_EXPANDS,
+        default=DELTA_EMBED_EXPANDS[0],
+        help="how the embedding becomes the d_v > 1 state: repeat, or conv (EC)",
+    )
+    variants.add_argument("--conv-size", type=int, default=4, help="kernel size of the TC/CC/EC convolutions (4)")
+    variants.add_argument(
+        "--value", choices=DELTA_VALUES, default=DELTA_VALUES[0], help="value v: linear projection, or constant"
+    )
+    variants.add_argument("--no-erase", action="store_true", help="write-only ablation X + beta k v^T (no erase term)")
     parser.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto", help="auto = the source's dtype")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="safetensors shard size (2GB)")

@@ -63,12 +63,24 @@ def _subparsers(parser):
 
 
 def test_choice_mirrors_match_the_config_constants():
-    from ddl_hf.configuration_delta_gpt import DELTA_GATES, DELTA_MODES
+    from ddl_hf.configuration_delta_gpt import (
+        DELTA_EMBED_EXPANDS,
+        DELTA_GATES,
+        DELTA_MODES,
+        DELTA_STATE_READS,
+        DELTA_VALUES,
+        DeltaGPTConfig,
+    )
     from ddl_hf.conversion.converting import DTYPES
     from ddl_hf.conversion.hub import DEFAULT_MAX_SHARD_SIZE
 
     assert ddl_hf_cli.DELTA_MODES == DELTA_MODES
     assert ddl_hf_cli.DELTA_GATES == DELTA_GATES
+    assert ddl_hf_cli.DELTA_STATE_READS == DELTA_STATE_READS
+    assert ddl_hf_cli.DELTA_EMBED_EXPANDS == DELTA_EMBED_EXPANDS
+    assert ddl_hf_cli.DELTA_VALUES == DELTA_VALUES
+    args = ddl_hf_cli.build_parser().parse_args(["convert", "--source", "s", "--output", "o"])
+    assert args.conv_size == DeltaGPTConfig().delta_conv_size  # the CLI default is the config's
     assert tuple(DTYPES) == ddl_hf_cli.DTYPE_NAMES
     assert ddl_hf_cli.DEFAULT_MAX_SHARD_SIZE == DEFAULT_MAX_SHARD_SIZE
 

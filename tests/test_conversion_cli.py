@@ -204,6 +204,42 @@ def test_console_command_and_ddl_hf_subcommand_share_the_code(source_dir, tmp_pa
     assert "beta_init=0.25" in capsys.readouterr().out
 
 
+def test_variant_flags_convert_exactly(source_dir, tmp_path, capsys):
+    """The paper's variants from the command line: recorded in the config and the card's command, still GPT-2."""
+    out = tmp_path / "tc"
+    flags = ["--value-channels", "4", "--state-read", "temporal_conv", "--embed-expand", "conv", "--conv-size", "3"]
+    assert (
+        run_convert("--source", str(source_dir), "--output", str(out), *flags, "--value", "constant", "--no-erase") == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert (config["delta_state_read"], config["delta_embed_expand"], config["delta_conv_size"]) == (
+        "temporal_conv",
+        "conv",
+        3,
+    )
+    assert config["delta_value"] == "constant" and config["delta_erase"] is False
+    assert "--state-read temporal_conv --embed-expand conv --conv-size 3 --value constant --no-erase" in (
+        (out / "README.md").read_text()
+    )
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(model(HELD_OUT).logits, trained_gpt2()(HELD_OUT).logits)
+    assert (
+        run_convert(
+            "--source",
+            str(source_dir),
+            "--output",
+            str(tmp_path / "bad"),
+            "--state-read",
+            "temporal_conv",
+            "--conv-size",
+            "0",
+        )
+        == 1
+    )
+    assert "delta_conv_size=0 is invalid" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # push_to_hub: the Hub API is replaced by a recorder (no network here)
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ddl_hf_cli import add_convert_subcommand
 
-from ..configuration_delta_gpt import DELTA_GATES
+from ..configuration_delta_gpt import DELTA_EMBED_EXPANDS, DELTA_GATES, DELTA_STATE_READS, DELTA_VALUES
 from .converting import looks_like_path
 from .errors import ConversionError
 from .hub import convert_checkpoint, push_converted_to_hub
@@ -34,6 +34,17 @@ def run_cli(args: argparse.Namespace) -> int:
         f"convert-gpt2-to-delta-gpt --source {source_shown} --output OUT --delta-mode {args.delta_mode} "
         f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
         + (f" --gate {args.gate}" if args.gate != DELTA_GATES[0] else "")
+        + "".join(
+            f" --{flag} {value}"
+            for flag, value, default in (
+                ("state-read", args.state_read, DELTA_STATE_READS[0]),
+                ("embed-expand", args.embed_expand, DELTA_EMBED_EXPANDS[0]),
+                ("conv-size", args.conv_size, 4),
+                ("value", args.value, DELTA_VALUES[0]),
+            )
+            if value != default
+        )
+        + (" --no-erase" if args.no_erase else "")
     )
     if args.push_to_hub and not args.base_model and os.path.exists(args.source):
         print(
@@ -49,6 +60,11 @@ def run_cli(args: argparse.Namespace) -> int:
             value_channels=args.value_channels,
             beta_init=args.beta_init,
             delta_gate=args.gate,
+            delta_state_read=args.state_read,
+            delta_embed_expand=args.embed_expand,
+            delta_conv_size=args.conv_size,
+            delta_value=args.value,
+            delta_erase=not args.no_erase,
             dtype=args.dtype,
             force=args.force,
             max_shard_size=args.max_shard_size,
