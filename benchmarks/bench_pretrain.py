@@ -270,6 +270,7 @@ def prepare_data(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
         (data_dir / "stats.json").write_text(json.dumps(stats, indent=2))
     return {
         "folder": folder,
+        "tokenizer": build_tokenizer(preset, None, folder),
         "train": load_from_disk(str(data_dir / "train")),
         "valid": load_from_disk(str(data_dir / "valid")),
         "stats": json.loads((data_dir / "stats.json").read_text()),
@@ -416,6 +417,9 @@ def train_one(args: argparse.Namespace, preset: Preset, variant: str, seed: int)
     }
     if VARIANTS[variant][1] is not None:
         result["beta_regimes"] = beta_regimes(model, data["valid"], 32)
+    else:  # the trained baselines are the bases of the fine-tuning study (bench_finetune.py)
+        model.save_pretrained(run_path(data["folder"], variant, seed).with_suffix(""))
+        data["tokenizer"].save_pretrained(run_path(data["folder"], variant, seed).with_suffix(""))
     return result
 
 
