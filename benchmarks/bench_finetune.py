@@ -5,7 +5,7 @@
     python benchmarks/bench_finetune.py --base gpt2  # any GPT-2 Hub id or directory (online), GPT-2's tokenizer
 
 The base is a GPT-2 that has really learned: the from-scratch study's baseline (`bench_pretrain.py`, seed 0: a
-byte-level BPE of 2048 tokens, trained on five Austen novels to a validation loss far below the unigram entropy).
+byte-level BPE of 512 tokens, trained on five Austen novels to a validation loss far below the unigram entropy).
 It is fine-tuned on a different author and form (four Shakespeare comedies) and evaluated on a fifth (*A Midsummer
 Night's Dream*). Every variant starts from the same function (DeltaGPT converted with beta = 0 computes the base's
 logits exactly, in additive mode), sees the same batches in the same order (`data_seed` = seed) with the same
