@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    prov = provenance(argv)
+    prov = provenance(None if argv is None else [__file__, *argv])
     from ddl_hf.corpus import lm_datasets
 
     start = time.time()

@@ -697,7 +697,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import provenance, write_results
 
-    prov = provenance(argv)
+    prov = provenance(None if argv is None else [__file__, *argv])
     started = time.time()
     data = prepare_data(args, preset)  # once, before the workers (they reuse it)
     folder = data["folder"]
