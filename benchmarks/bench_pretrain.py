@@ -535,6 +535,14 @@ def markdown(results: dict) -> str:
     lines = [
         "# From scratch: GPT-2 vs DeltaGPT at equal budget",
         "",
+    ]
+    if results["runs_done"] < results["runs_planned"]:
+        lines += [
+            f"**Partial results: {results['runs_done']} of {results['runs_planned']} planned runs** (the study "
+            "resumes where it stopped; rows with fewer seeds have wider intervals).",
+            "",
+        ]
+    lines += [
         f"Shape: {preset['n_layer']} layers, d = {preset['n_embd']}, {preset['n_head']} heads, context "
         f"{preset['block_size']}, vocabulary {stats['vocab_size']} ({preset['tokenizer']}); {preset['steps']} steps of "
         f"{preset['batch_size']} x {preset['block_size']} tokens ({stats['epochs']:.2f} epochs of "
@@ -543,11 +551,14 @@ def markdown(results: dict) -> str:
         f"Validation: {stats['valid_tokens']:,} tokens of a held-out book; its unigram entropy is "
         f"**{stats['valid_unigram_entropy']:.3f} nats** (the loss of the best context-free predictor). GPT-2 ends at "
         f"{base['final']['mean']:.3f}, {abs(stats['valid_unigram_entropy'] - base['final']['mean']):.2f} nats "
-        f"{'below' if base['final']['mean'] < stats['valid_unigram_entropy'] else 'above'} it.",
+        f"{'below' if base['final']['mean'] < stats['valid_unigram_entropy'] else 'above'} it "
+        f"(the study's target was at least 1.5 nats below: "
+        f"{'met' if stats['valid_unigram_entropy'] - base['final']['mean'] >= 1.5 else 'missed'}).",
         "",
         "Differences are variant − GPT-2 per seed (same data order, same initial shared weights), mean and 95% "
         "t-interval; negative = lower validation loss than GPT-2. *Equal compute*: the variant's validation curve at "
-        "the step where it has spent GPT-2's training CPU time (its measured step cost), against GPT-2 at the end; "
+        "the step where it has spent GPT-2's training CPU time (its measured step cost), against GPT-2 at the end, "
+        f"both on the curves' {preset['curve_eval_blocks']} validation blocks; "
         "a slower variant is then compared before its learning-rate schedule has finished, which is conservative.",
         "",
         "| variant | seeds | params | final valid loss | Δ equal steps [95% CI] | | step cost | Δ equal compute "
@@ -647,6 +658,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=None, help="default: $DDL_HF_CACHE or ~/.cache/ddl_hf, /pretrain")
     parser.add_argument("--output-dir", default=str(RESULTS))
     parser.add_argument("--name", default=None, help="stem of the result files (default pretrain / pretrain_quick)")
+    parser.add_argument(
+        "--report-only", action="store_true", help="write the report from the runs finished so far; train nothing"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -711,24 +725,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             launch(args, folder, jobs)
 
-    run_all(first)
+    if not args.report_only:
+        run_all(first)
     runs = {v: r for v, r in load_runs(folder).items() if v in args.variants}
     best = None
-    if preset.extra_seeds:
-        means = {v: statistics.fmean(r["final_valid_loss"] for r in runs[v].values()) for v in runs if v != BASELINE}
+    if preset.extra_seeds:  # the best by the first seeds only, so that a resumed study picks the same one
+        means = {
+            v: statistics.fmean(r["final_valid_loss"] for s, r in runs[v].items() if s < preset.seeds)
+            for v in runs
+            if v != BASELINE
+        }
         best = min(means, key=means.get) if means else None
-        extra = range(preset.seeds, preset.seeds + preset.extra_seeds)
-        run_all([(v, s) for s in extra for v in (BASELINE, best) if v])
+        extra = [(v, s) for s in range(preset.seeds, preset.seeds + preset.extra_seeds) for v in (BASELINE, best) if v]
+        if not args.report_only:
+            run_all(extra)
         runs = {v: r for v, r in load_runs(folder).items() if v in args.variants}
     for variant, by_seed in runs.items():  # only the seeds this study asked for
         wanted = preset.seeds + (preset.extra_seeds if variant in (BASELINE, best) else 0)
         runs[variant] = {s: r for s, r in by_seed.items() if s < wanted}
+    planned = len(args.variants) * preset.seeds + (2 * preset.extra_seeds if best else 0)
+    done = sum(len(by_seed) for by_seed in runs.values())
 
     results = {
         "provenance": prov,
         "preset_name": args.preset,
         "preset": dataclasses.asdict(preset),
         "best_variant": best,
+        "runs_done": done,
+        "runs_planned": planned,
         "wall_seconds": time.time() - started,
         "analysis": analyse(runs, data["stats"]),
         "runs": runs,

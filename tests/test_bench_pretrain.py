@@ -67,9 +67,12 @@ def test_toy_study_writes_every_output(tmp_path):
     argv += ["--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out"), "--name", "toy"]
     try:
         results = bench_pretrain.main([*argv, "--set", *small])
+        partial = bench_pretrain.main([*argv, "--report-only", "--name", "partial", "--set", *small])
     finally:
         torch.set_num_threads(threads)
     assert results["best_variant"] == "paper_dv1"
+    assert results["runs_done"] == results["runs_planned"] == 6
+    assert partial["analysis"] == results["analysis"]  # --report-only rebuilds the same report from the runs
     rows = results["analysis"]["variants"]
     assert rows["gpt2"]["seeds"] == [0, 1, 2] and rows["paper_dv1"]["seeds"] == [0, 1, 2]
     runs = results["runs"]
