@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, GenerationMode
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -403,6 +403,13 @@ class DeltaNetCacheLayer(LinearAttentionLayer):
                 self.recurrent_states[i] = self.recurrent_states[i][indices]
 
 
+_NO_CACHE_ROLLBACK = (
+    "A token_mixer='delta_net' DeltaGPT cannot be used {role}: that rolls the cache back over rejected draft tokens, "
+    "and DeltaNet's recurrent state cannot forget tokens (its fixed-size state is the point of the mixer). Use plain "
+    "generate (greedy, sampling, beam search), or a token_mixer='attention' model for assisted decoding."
+)
+
+
 class DeltaNetCache(DeltaWindowsMixin, Cache):
     """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors.
 
@@ -424,7 +431,21 @@ class DeltaNetCache(DeltaWindowsMixin, Cache):
         return False  # the token count is a Python int
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise RuntimeError("DeltaNetCache cannot be cropped: the recurrent state cannot forget tokens.")
+        raise RuntimeError(
+            "DeltaNetCache cannot be cropped: the recurrent state cannot forget tokens (assisted / speculative "
+            "decoding, prompt lookup and anything else that rolls the cache back need a token_mixer='attention' model)."
+        )
+
+
+def require_delta_net_cache(cache: Cache | None) -> None:
+    """A DeltaNet model needs its own cache: transformers' caches built from the config (`DynamicCache`,
+    `StaticCache`) hold `LinearAttentionLayer`s that cannot say how many tokens they absorbed, which GPT-2's
+    position embeddings need."""
+    if cache is not None and not isinstance(cache, DeltaNetCache):
+        raise TypeError(
+            f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
+            "pass past_key_values=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
+        )
 
 
 class DeltaNetShortConv(nn.Conv1d):
@@ -498,11 +519,7 @@ class DeltaNetAttention(nn.Module):
         the conv window restart there."""
         batch, seq_len, _ = hidden_states.shape
         cache = past_key_values
-        if cache is not None and not isinstance(cache, DeltaNetCache):
-            raise TypeError(
-                f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
-                "pass past_key_values=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
-            )
+        require_delta_net_cache(cache)
         token_mask = None
         if attention_mask is not None:
             token_mask = attention_mask[:, -seq_len:].to(hidden_states.dtype)  # 1 = token, 0 = padding
@@ -730,6 +747,15 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
     }
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
 
+    def __init__(self, config: DeltaGPTConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        if config.token_mixer == "delta_net":
+            # transformers reads these class flags from the instance; they depend on the mixer, so per instance.
+            # Stateful: the recurrent state cannot be rolled back, so generate refuses assisted decoding up front.
+            # `_can_compile_fullgraph` stays True: prefill and decoding steps compile with fullgraph=True (tested);
+            # generate never auto-compiles it, as DeltaNetCache is not `is_compileable` (no static cache).
+            self._is_stateful = True
+
     # The one place that says which modules and parameters are Delta (not in a GPT-2 checkpoint); conversion, export,
     # DeltaTrainer, DeltaStatsCallback and `ddl-hf inspect` all ask these methods.
 
@@ -908,6 +934,8 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             raise ValueError("You have to specify either input_ids or inputs_embeds")
 
         self._check_read_out_placement(input_ids if inputs_embeds is None else inputs_embeds)
+        if isinstance(attention_mask, dict):  # generate with a static cache: masks by layer type (config.layer_types)
+            attention_mask = attention_mask.get(self.config.layer_types[0])
         delta_net = self.config.token_mixer == "delta_net"
         temporal = self.config.delta_temporal
         if use_cache and past_key_values is None:
@@ -915,7 +943,9 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 past_key_values = DeltaNetCache(self.config)
             else:
                 past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
-        if temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
+        if delta_net:
+            require_delta_net_cache(past_key_values)
+        elif temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
             raise TypeError(
                 f"delta_state_read={self.config.delta_state_read!r} / delta_embed_expand="
                 f"{self.config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
@@ -1058,10 +1088,21 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
+    def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
+        """Refuse assisted decoding up front for a DeltaNet model, naming why (transformers' own check says only
+        "stateful model"): it needs to roll the cache back over the rejected draft tokens."""
+        if self._is_stateful and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(_NO_CACHE_ROLLBACK.format(role="with assisted / speculative decoding or prompt lookup"))
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate` builds a DynamicCache from the config; a DeltaNet model needs its recurrent-state cache."""
         wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
         delta_net = self.config.token_mixer == "delta_net"
+        if delta_net:
+            require_delta_net_cache(model_kwargs.get("past_key_values"))  # before generate asks it for its length
+            if getattr(generation_config, "is_assistant", False):
+                raise ValueError(_NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
         if not (delta_net or self.config.delta_temporal) or not wants_new_cache:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.cache_implementation not in (None, "dynamic"):
