@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import ddl_hf
 
@@ -168,3 +168,18 @@ def scramble_delta_weights(model: torch.nn.Module, seed: int = 0) -> None:
         for name, param in model.named_parameters():
             if name.endswith(("read_weights", "read_out")) or "conv" in name or "embed_expand" in name:
                 param.copy_(0.5 + 0.5 * torch.randn(param.shape, generator=generator))
+
+
+def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the words of `texts` (id 0 = `<|endoftext|>`: BOS, EOS and padding, as GPT-2's),
+    for tools that take text and a tokenizer (trl): a vocabulary of tens, so the tiny models stay tiny."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({word for text in texts for word in text.split()})
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1} | {word: i + 2 for i, word in enumerate(words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    end = "<|endoftext|>"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=end, eos_token=end, pad_token=end, unk_token="[UNK]"
+    )
