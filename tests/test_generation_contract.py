@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import DELTA_NET, delta_config, delta_model
+from builders import CLIENT_VARIANTS, DELTA_NET, delta_config, delta_model, scramble_delta_weights
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -78,11 +78,22 @@ def test_a_delta_net_assistant_is_refused(attention_model, delta_net_model, prom
         attention_model.generate(prompt, assistant_model=delta_net_model, **GREEDY)
 
 
-def test_static_cache_works_for_attention(attention_model, prompt):
+@pytest.mark.parametrize("variant", ["additive-dv1", "paper-dv4", "cc-dv4"])
+def test_static_cache_works_for_attention(variant, prompt):
     """generate builds per-layer-type masks for a static cache (config.layer_types); the model takes them."""
+    model = delta_model(**CLIENT_VARIANTS[variant])
+    scramble_delta_weights(model)
     with torch.no_grad():
-        expected = attention_model.generate(prompt, **GREEDY)
-        assert torch.equal(attention_model.generate(prompt, cache_implementation="static", **GREEDY), expected)
+        expected = model.generate(prompt, **GREEDY)
+        assert torch.equal(model.generate(prompt, cache_implementation="static", **GREEDY), expected)
+
+
+@pytest.mark.parametrize("variant", ["tc-dv1", "tc-ec-paper-dv4"])
+def test_static_cache_is_refused_for_temporal_variants(variant, prompt):
+    """TC / EC convolve over the last tokens: their windows live in DeltaStateCache, which has no static form."""
+    model = delta_model(**CLIENT_VARIANTS[variant])
+    with pytest.raises(ValueError, match=r"cache_implementation='static' is not supported .* temporal Delta variant"):
+        model.generate(prompt, cache_implementation="static", **GREEDY)
 
 
 def test_static_and_config_built_caches_are_refused_for_delta_net(delta_net_model, prompt):
