@@ -43,6 +43,8 @@ setup(
             "onnx>=1.17",
             "onnxscript>=0.3",
             "onnxruntime>=1.20",
+            # tests/test_trl.py (SFTTrainer packed / unpacked, DPOTrainer); needs no torch of its own
+            "trl>=1.16",
         ]
     },
     entry_points={
