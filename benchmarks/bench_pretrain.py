@@ -59,8 +59,25 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     ),
     "paper_dv1_write_only": ("paper d_v=1 write-only", dict(delta_mode="paper", delta_erase=False)),
     "delta_net": ("DeltaNet mixer (additive d_v=1)", dict(token_mixer="delta_net")),
+    # Ablations: the two large gains come with a short causal convolution over tokens. The same convolution with the
+    # Delta gate shut (beta = 0 exactly: GPT-2 whose sublayers read a convolved stream) or trainable, and DeltaNet
+    # without its convolution, say how much of each gain is the convolution's.
+    "gpt2_tc": ("GPT-2 + TC read (gate shut, β ≡ 0)", dict(delta_mode="additive", delta_state_read="temporal_conv")),
+    "additive_dv1_tc": ("additive d_v=1 TC", dict(delta_mode="additive", delta_state_read="temporal_conv")),
+    "delta_net_noconv": ("DeltaNet mixer, no short conv", dict(token_mixer="delta_net", delta_net_conv_size=0)),
 }
 BASELINE = "gpt2"
+#: Variants whose Delta gates are shut and frozen (rho = 0, so beta = 0 for every input).
+GATE_SHUT = {"gpt2_tc"}
+#: Controls, not candidates: never picked as the best variant for the extra seeds.
+ABLATIONS = {"gpt2_tc", "additive_dv1_tc", "delta_net_noconv"}
+#: Paired differences reported besides those to GPT-2: (variant, control) -> what the difference isolates.
+CONTRASTS = {
+    ("additive_dv1_tc", "gpt2_tc"): "the Delta term, same token convolution (additive d_v=1)",
+    ("paper_dv4_tc", "gpt2_tc"): "the paper's d_v=4 Delta residual vs GPT-2, both reading through a TC",
+    ("paper_dv4_tc", "paper_dv4"): "the TC read inside the paper's d_v=4 residual",
+    ("delta_net", "delta_net_noconv"): "DeltaNet's short convolution",
+}
 KEEP_BELOW, REFLECT_ABOVE = 0.5, 1.5
 
 
@@ -313,6 +330,10 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
     mixer_keys = all(".attn." in n for n in unexpected) and overrides.get("token_mixer") == "delta_net"
     if not delta_only or (unexpected and not mixer_keys):
         raise RuntimeError(f"{variant}: GPT-2 weights do not map onto DeltaGPT: {missing=} {unexpected=}")
+    if variant in GATE_SHUT:
+        for block in model.delta_residuals().values():
+            block.beta_open.data.zero_()
+            block.beta_open.requires_grad_(False)
     return model
 
 
@@ -509,7 +530,19 @@ def analyse(runs: dict[str, dict[int, dict]], stats: dict) -> dict[str, Any]:
                 for label in regimes[0]
             }
         table[variant] = row
-    return {"variants": table, "data": stats}
+    contrasts = {}
+    for (variant, control), meaning in CONTRASTS.items():
+        paired = sorted(set(runs.get(variant, {})) & set(runs.get(control, {})))
+        if len(paired) >= 2:  # a t-interval needs two pairs
+            contrasts[f"{variant} - {control}"] = {
+                "meaning": meaning,
+                "seeds": paired,
+                "equal_steps": paired_difference(
+                    [runs[variant][s]["final_valid_loss"] for s in paired],
+                    [runs[control][s]["final_valid_loss"] for s in paired],
+                ),
+            }
+    return {"variants": table, "contrasts": contrasts, "data": stats}
 
 
 def fmt_ci(d: dict) -> str:
@@ -575,6 +608,22 @@ def markdown(results: dict) -> str:
             f"| {row['label']} | {len(row['seeds'])} | {row['params']:,} | {final} | {fmt_ci(eq)} | {verdict(eq)} | "
             f"{row['cost_ratio']:.2f} | {fmt_ci(ec)} | {verdict(ec)} |"
         )
+    if analysis.get("contrasts"):
+        lines += [
+            "",
+            "## Ablations: paired contrasts between variants",
+            "",
+            "Variant − control per seed, final validation loss, mean and 95% t-interval; negative = the variant is "
+            "better.",
+            "",
+            "| contrast | isolates | seeds | Δ [95% CI] | |",
+            "|---|---|---|---|---|",
+        ]
+        for name, c in analysis["contrasts"].items():
+            variant, control = name.split(" - ")
+            label = f"{rows[variant]['label']} − {rows[control]['label']}"
+            eq = c["equal_steps"]
+            lines.append(f"| {label} | {c['meaning']} | {len(c['seeds'])} | {fmt_ci(eq)} | {verdict(eq)} |")
     lines += [
         "",
         "## Beta regimes of the trained models",
@@ -611,7 +660,11 @@ def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
         steps = np.array([s for s, _ in curves[0]])
         losses = np.array([[v for _, v in c] for c in curves])
         mean, std = losses.mean(0), losses.std(0)
-        style = dict(lw=2.2, color="black") if variant == BASELINE else dict(lw=1.2)
+        style = (
+            dict(lw=2.2, color="black")
+            if variant == BASELINE
+            else dict(lw=1.2, ls="--" if variant in ABLATIONS else "-")
+        )
         (line,) = ax.plot(steps, mean, label=VARIANTS[variant][0], **style)
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.15)
     ax.set(xlabel="step", ylabel="validation loss (nats/token)", title="Validation loss (mean ± std over seeds)")
@@ -733,7 +786,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         means = {
             v: statistics.fmean(r["final_valid_loss"] for s, r in runs[v].items() if s < preset.seeds)
             for v in runs
-            if v != BASELINE
+            if v != BASELINE and v not in ABLATIONS
         }
         best = min(means, key=means.get) if means else None
         extra = [(v, s) for s in range(preset.seeds, preset.seeds + preset.extra_seeds) for v in (BASELINE, best) if v]

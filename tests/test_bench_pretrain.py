@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -90,3 +91,48 @@ def test_toy_study_writes_every_output(tmp_path):
     folder = next((tmp_path / "cache").iterdir())
     base, tokenizer = bench_finetune.load_base(folder / "runs" / "gpt2-seed0")
     assert base.config.n_layer == 1 and len(tokenizer) == base.config.vocab_size
+
+
+def test_shut_gate_control_is_gpt2_reading_a_convolved_stream():
+    """gpt2_tc: beta is 0 for every input and stays 0 under training; with identity convolutions it is GPT-2."""
+    preset = bench_pretrain.Preset(vocab_size=50, n_layer=2, n_embd=16, n_head=2, block_size=16)
+    gpt2 = bench_pretrain.build_models(preset, 50, "gpt2", seed=1).eval()
+    control = bench_pretrain.build_models(preset, 50, "gpt2_tc", seed=1)
+    assert set(control.beta_upper_bounds().values()) == {0.0}
+    convs = {name: m for name, m in control.named_modules() if type(m).__name__ == "DeltaStateConv"}
+    assert len(convs) == 5  # the attention and MLP reads of both layers, and the final read
+    ids = torch.randint(0, 50, (2, 12))
+    before = {name: m.weight.detach().clone() for name, m in convs.items()}
+    optimizer = torch.optim.AdamW([p for p in control.parameters() if p.requires_grad], lr=1e-2)
+    control.train()
+    control(ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert set(control.beta_upper_bounds().values()) == {0.0}  # the gate stayed shut
+    assert all(not torch.equal(m.weight, before[name]) for name, m in convs.items())  # the convolutions learn
+    with torch.no_grad():
+        for m in convs.values():
+            m.weight.copy_(m.identity())
+    control.eval()
+    with torch.no_grad():
+        # Only the convolutions and the (inert) Delta weights changed: reset GPT-2's weights to compare.
+        control.load_state_dict(gpt2.state_dict(), strict=False)
+        torch.testing.assert_close(control(ids).logits, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_contrasts_are_paired_differences_between_variants():
+    def run(loss: float) -> dict:
+        return {"final_valid_loss": loss, "step_cpu_seconds": 1.0, "params": 1, "curve": [(0, 5.0), (10, loss)]}
+
+    def delta_run(loss: float) -> dict:
+        return run(loss) | {"beta_regimes": {"L0.attn": {"keep": 1.0, "project": 0.0, "reflect": 0.0, "mean": 0.0}}}
+
+    runs = {
+        "gpt2": {s: run(3.0 + s) for s in range(3)},
+        "gpt2_tc": {s: delta_run(2.0 + s) for s in range(3)},
+        "additive_dv1_tc": {s: delta_run(1.9 + s + 0.01 * s) for s in range(3)},
+    }
+    analysis = bench_pretrain.analyse(runs, {})
+    assert set(analysis["contrasts"]) == {"additive_dv1_tc - gpt2_tc"}  # pairs with both sides only
+    contrast = analysis["contrasts"]["additive_dv1_tc - gpt2_tc"]["equal_steps"]
+    assert contrast["mean"] == pytest.approx(statistics.fmean([-0.1, -0.09, -0.08]))
+    assert analysis["variants"]["gpt2_tc"]["equal_steps"]["mean"] == pytest.approx(-1.0)
