@@ -674,3 +674,33 @@ def test_tokenizer_loads_without_ddl_hf_and_without_prompt(converted_dir, tmp_pa
     assert "ddl_hf" not in done.stderr
     assert "[y/N]" not in done.stdout + done.stderr
     assert "model of type" not in done.stderr and done.stderr.strip() == "", done.stderr
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        "import ddl_hf\ntokenizer = AutoTokenizer.from_pretrained(sys.argv[1])",  # registered: local code, no prompt
+        "from transformers import GPT2TokenizerFast\ntokenizer = GPT2TokenizerFast.from_pretrained(sys.argv[1])",
+    ],
+    ids=["auto-with-ddl_hf", "tokenizer-class-without-ddl_hf"],
+)
+def test_tokenizer_loads_without_trust_remote_code_and_without_prompt(converted_dir, tmp_path, load):
+    """The two documented ways around transformers' custom-code prompt, which `AutoTokenizer` raises for any Hub
+    custom-code model when `trust_remote_code` is not passed (it resolves config.json before tokenizer_config.json)."""
+    block = "" if "import ddl_hf" in load else "sys.modules['ddl_hf'] = None\n"
+    code = (
+        f"import sys\n{block}from transformers import AutoTokenizer\n{load}\n"
+        "print(tokenizer('hello world')['input_ids'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(converted_dir)],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    reference = AutoTokenizer.from_pretrained(converted_dir, trust_remote_code=True)
+    assert done.stdout.strip() == str(reference("hello world")["input_ids"])
+    assert "[y/N]" not in done.stdout + done.stderr and done.stderr.strip() == "", done.stderr
