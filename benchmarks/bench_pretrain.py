@@ -65,15 +65,29 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "gpt2_tc": ("GPT-2 + TC read (gate shut, β ≡ 0)", dict(delta_mode="additive", delta_state_read="temporal_conv")),
     "additive_dv1_tc": ("additive d_v=1 TC", dict(delta_mode="additive", delta_state_read="temporal_conv")),
     "delta_net_noconv": ("DeltaNet mixer, no short conv", dict(token_mixer="delta_net", delta_net_conv_size=0)),
+    # The same two with the convolutions starting as the identity (delta_init="exact": beta 0, so GPT-2 at step 0)
+    # instead of the reference code's average over the window, which left the additive models above at the
+    # unigram loss in this budget.
+    "gpt2_tc_id": (
+        "GPT-2 + TC read, identity init (gate shut)",
+        dict(delta_mode="additive", delta_state_read="temporal_conv", delta_init="exact"),
+    ),
+    "additive_dv1_tc_id": (
+        "additive d_v=1 TC, identity init",
+        dict(delta_mode="additive", delta_state_read="temporal_conv", delta_init="exact"),
+    ),
 }
 BASELINE = "gpt2"
 #: Variants whose Delta gates are shut and frozen (rho = 0, so beta = 0 for every input).
-GATE_SHUT = {"gpt2_tc"}
+GATE_SHUT = {"gpt2_tc", "gpt2_tc_id"}
 #: Controls, not candidates: never picked as the best variant for the extra seeds.
-ABLATIONS = {"gpt2_tc", "additive_dv1_tc", "delta_net_noconv"}
+ABLATIONS = {"gpt2_tc", "additive_dv1_tc", "delta_net_noconv", "gpt2_tc_id", "additive_dv1_tc_id"}
 #: Paired differences reported besides those to GPT-2: (variant, control) -> what the difference isolates.
 CONTRASTS = {
     ("additive_dv1_tc", "gpt2_tc"): "the Delta term, same token convolution (additive d_v=1)",
+    ("additive_dv1_tc_id", "gpt2_tc_id"): "the Delta term, same identity-initialised token convolution",
+    ("gpt2_tc_id", "gpt2"): "a learnable token convolution added to GPT-2 (identity init)",
+    ("paper_dv4_tc", "gpt2_tc_id"): "the paper's d_v=4 TC model vs GPT-2 with a learnable token convolution",
     ("paper_dv4_tc", "gpt2_tc"): "the paper's d_v=4 Delta residual vs GPT-2, both reading through a TC",
     ("paper_dv4_tc", "paper_dv4"): "the TC read inside the paper's d_v=4 residual",
     ("delta_net", "delta_net_noconv"): "DeltaNet's short convolution",

@@ -136,3 +136,13 @@ def test_contrasts_are_paired_differences_between_variants():
     contrast = analysis["contrasts"]["additive_dv1_tc - gpt2_tc"]["equal_steps"]
     assert contrast["mean"] == pytest.approx(statistics.fmean([-0.1, -0.09, -0.08]))
     assert analysis["variants"]["gpt2_tc"]["equal_steps"]["mean"] == pytest.approx(-1.0)
+
+
+def test_identity_initialised_convolution_control_starts_as_gpt2():
+    preset = bench_pretrain.Preset(vocab_size=50, n_layer=2, n_embd=16, n_head=2, block_size=16)
+    gpt2 = bench_pretrain.build_models(preset, 50, "gpt2", seed=2).eval()
+    control = bench_pretrain.build_models(preset, 50, "gpt2_tc_id", seed=2).eval()
+    assert set(control.beta_upper_bounds().values()) == {0.0}
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(control(ids).logits, gpt2(ids).logits)
