@@ -201,7 +201,8 @@ def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         loss = model(input_ids=ids, labels=ids).loss
-    del loss, storages
+    del loss
+    storages.clear()
     return sum(saved.values())
 
 
