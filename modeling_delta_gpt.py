@@ -623,8 +623,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         use_cache: bool | None = False,
         delta_context: DeltaConvContext | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        normed = self.ln_1(self.attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
+        attn_delta, mlp_delta = self.attn_delta, self.mlp_delta
+        normed = self.ln_1(attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
         if isinstance(self.attn, DeltaNetAttention) and delta_context is not None:
             kwargs["document_starts"] = delta_context.document_starts  # attention reads documents from its mask
         attn_output, _ = self.attn(
@@ -634,11 +636,11 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states, _ = self.attn_delta(hidden_states, normed, attn_output)
+        hidden_states, attn_beta = attn_delta(hidden_states, normed, attn_output)
 
-        normed = self.ln_2(self.mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
-        hidden_states, _ = self.mlp_delta(hidden_states, normed, self.mlp(normed))
-        return hidden_states
+        normed = self.ln_2(mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
+        hidden_states, mlp_beta = mlp_delta(hidden_states, normed, self.mlp(normed))
+        return hidden_states, attn_beta, mlp_beta
 
 
 def _with_delta_outputs(name: str, output_class: type) -> type:
@@ -721,7 +723,9 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "hidden_states": DeltaGPTBlock,
         "attentions": OutputRecorder(GPT2Attention, layer_name=".attn", index=1),
-        "betas": OutputRecorder(DeltaResidual, index=1),
+        # From the block, which is hooked for hidden states anyway: a hook on every Delta residual would put each
+        # of their calls on nn.Module's slow path (about as costly as the call itself when decoding).
+        "betas": [OutputRecorder(DeltaGPTBlock, index=1), OutputRecorder(DeltaGPTBlock, index=2)],
     }
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
 
@@ -963,7 +967,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
 
         for block in self.h:
-            hidden_states = block(
+            hidden_states, *_ = block(
                 hidden_states,
                 past_key_values if not checkpointing else None,
                 causal_mask,
