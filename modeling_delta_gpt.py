@@ -681,11 +681,13 @@ def _hidden_states_contract(forward):
         want_expanded = bool(kwargs.pop("output_expanded_states", False))
         if self.value_channels == 1:
             return forward(self, *args, **kwargs)
-        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         want_hidden = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        if not (want_expanded or want_hidden):
+            return forward(self, *args, **kwargs)  # nothing to replace (generation: no output rebuilt per token)
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         if want_expanded:
             kwargs["output_hidden_states"] = True
-        outputs = forward(self, *args, return_dict=True, **kwargs)
+        outputs = forward(self, *args, return_dict=True, _hand_over_final_state=True, **kwargs)
         (final_state,) = outputs.expanded_states  # the forward hands the last state over here
         states = outputs.hidden_states  # the expanded states, the last one tied to `last_hidden_state`
         fields = {key: value for key, value in outputs.items() if key not in ("hidden_states", "expanded_states")}
@@ -892,6 +894,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         """
         for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
             kwargs.pop(flag, None)
+        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `_hidden_states_contract`
 
         if input_ids is not None and inputs_embeds is not None:
             raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
@@ -990,7 +993,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
             # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
-            expanded_states=(final_state,) if self.value_channels > 1 else None,
+            expanded_states=(final_state,) if hand_over_final_state else None,
         )
 
     def _check_inputs(
