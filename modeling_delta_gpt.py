@@ -1015,14 +1015,18 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 f"Truncate the input (e.g. tokenizer(..., truncation=True, max_length={n_positions}))."
             )
         if position_ids is not None and position_ids.numel():
-            highest = int(position_ids.max())  # generation passes position_ids: one host transfer per step
+            # generation passes position_ids: one host transfer per step (no reduction for a single token)
+            highest = int(position_ids) if position_ids.numel() == 1 else int(position_ids.max())
             if highest >= n_positions:
                 raise ValueError(
                     f"position_ids reach {highest}, but the model has n_positions={n_positions}; "
                     "truncate the input or pass smaller position_ids."
                 )
         if input_ids is not None and input_ids.numel():
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
+            if input_ids.numel() == 1:  # decoding one sequence: one host read, no reduction
+                low = high = int(input_ids)
+            else:
+                low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(
                     f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) "
