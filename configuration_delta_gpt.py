@@ -225,6 +225,24 @@ class DeltaGPTConfig(GPT2Config):
         """Whether a variant convolves over tokens, so that generation must cache recent states or embeddings."""
         return self.delta_state_read == "temporal_conv" or self.delta_embed_expand == "conv"
 
+    @property
+    def layer_types(self) -> list[str]:
+        """transformers' kind of every layer, from `token_mixer`: `"linear_attention"` (DeltaNet: a fixed-size recurrent
+        state, no KV cache) or `"full_attention"`. transformers' cache builders, mask helpers and support checks
+        (context parallelism, quantized caches) read it. Derived, so it never disagrees with `token_mixer`."""
+        kind = "linear_attention" if self.token_mixer == "delta_net" else "full_attention"
+        return [kind] * self.num_hidden_layers
+
+    @layer_types.setter
+    def layer_types(self, value: list[str] | None) -> None:
+        """Accepts only what `token_mixer` implies (a saved config may carry it); DeltaGPT has no mixed stacks."""
+        if value is not None and list(value) != self.layer_types:
+            raise ValueError(
+                f"DeltaGPTConfig.layer_types={list(value)!r} is invalid: it follows token_mixer="
+                f"{self.token_mixer!r} ({self.layer_types[:1]} for each of the {self.num_hidden_layers} layers); "
+                "set token_mixer instead."
+            )
+
     def validate_token_mixer(self) -> None:
         """The token mixer fields: a ValueError naming the field, the value and what is allowed."""
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, GenerationMode
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -99,7 +99,7 @@ class DeltaConvContext:
 
 
 class DeltaStateConv(nn.Module):
-    """The convolution of a TC (`"temporal_conv"`) or CC (`"channel_conv"`) state read, before the read vector.
+    """The read of a TC (`"temporal_conv"`) or CC (`"channel_conv"`) variant: a convolution, then the read vector.
 
     temporal: `weight` `[D, d_v, K]`, a causal depthwise convolution over the last K tokens of each state entry;
     channel: `weight` `[D, K]`, a convolution across the d_v value channels of each hidden unit.
@@ -118,23 +118,28 @@ class DeltaStateConv(nn.Module):
         weight[..., self.size - 1 if self.kind == "temporal_conv" else (self.size - 1) // 2] = 1.0
         return weight
 
-    def read(
-        self, state: torch.Tensor, read: torch.Tensor | None, context: DeltaConvContext | None, key: str
+    def forward(
+        self,
+        state: torch.Tensor,
+        read: torch.Tensor | None = None,
+        context: DeltaConvContext | None = None,
+        key: str = "",
     ) -> torch.Tensor:
-        """The convolution, then the read vector (None for d_v = 1): `[..., D, d_v]` -> `[..., D]`. CC folds both
-        into one `[D, d_v]` weight (`channel_conv_read_weight`): one pass over the state instead of 2K + 1."""
+        """The convolution, then the read vector `read` `[d_v]` if given: `[..., D, d_v]` -> `[..., D]`; without one
+        (d_v = 1, state `[..., D]`) the convolution alone. CC folds both into one `[D, d_v]` weight
+        (`channel_conv_read_weight`): one pass over the state instead of 2K + 1.
+
+        All of it happens in `forward`, so that tools which load a module's weights around its forward (accelerate's
+        offload hooks) see this weight used."""
         if self.kind == "channel_conv":
+            if read is None:
+                return channel_conv(state, self.weight)
             return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
         if read is None or state.dim() != 4:
-            return self(state, context, key)
+            weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
+            return (context or DeltaConvContext()).convolve(state, key, weight)
         # TC: the read vector scales the kernels (W r), so the [.., D, d_v] conv output need not be kept for backward.
         return (context or DeltaConvContext()).convolve(state, key, self.weight * read[:, None]).sum(-1)
-
-    def forward(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
-        if self.kind == "channel_conv":
-            return channel_conv(state, self.weight)
-        weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
-        return (context or DeltaConvContext()).convolve(state, key, weight)
 
 
 class DeltaEmbedExpand(nn.Module):
@@ -221,6 +226,25 @@ class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
         self.delta_history = config.delta_conv_size - 1
 
 
+def _reads_in_forward(forward):
+    """Let `DeltaResidual.forward` also do the residual's read: `self(state, read_from=(context, key))` returns
+    `(read, None)`.
+
+    The read uses this module's own `read_weights`; tools that load a module's weights only around its forward
+    (accelerate's disk / CPU offload hooks replace `forward`) would otherwise leave them on the meta device.
+    transformers' output recorder and `DeltaStatsCallback` skip the `None` in place of beta. The write path is
+    `forward` itself, untouched.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(self, state: torch.Tensor, *args, read_from: tuple | None = None, **kwargs):
+        if read_from is not None:
+            return self._read(state, *read_from), None
+        return forward(self, state, *args, **kwargs)
+
+    return wrapper
+
+
 class DeltaResidual(nn.Module):
     """The Delta residual around one sublayer; shared by both modes and every number of value channels.
 
@@ -296,13 +320,21 @@ class DeltaResidual(nn.Module):
 
     def read(self, state: torch.Tensor, context: DeltaConvContext | None = None, key: str = "") -> torch.Tensor:
         """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels, after the
-        TC / CC convolution if any (`context` and `key` locate its cached window when generating)."""
-        if self.read_conv is not None:
-            return self.read_conv.read(state, getattr(self, "read_weights", None), context, key)
-        if self.value_channels == 1:
-            return state
-        return state @ self.read_weights.to(state.dtype)
+        TC / CC convolution if any (`context` and `key` locate its cached window when generating).
 
+        Runs through `self(...)` (see `_reads_in_forward`) whenever it uses a parameter, so that hooks which load this
+        module's weights around its forward (accelerate offload) fire for the read too."""
+        if self.read_conv is None and self.value_channels == 1:
+            return state
+        return self(state, read_from=(context, key))[0]
+
+    def _read(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
+        read_weights = getattr(self, "read_weights", None)
+        if self.read_conv is not None:
+            return self.read_conv(state, read_weights, context, key)
+        return state @ read_weights.to(state.dtype)
+
+    @_reads_in_forward
     def forward(
         self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,6 +451,13 @@ class DeltaNetCacheLayer(LinearAttentionLayer):
                 self.recurrent_states[i] = self.recurrent_states[i][indices]
 
 
+_NO_CACHE_ROLLBACK = (
+    "A token_mixer='delta_net' DeltaGPT cannot be used {role}: that rolls the cache back over rejected draft tokens, "
+    "and DeltaNet's recurrent state cannot forget tokens (its fixed-size state is the point of the mixer). Use plain "
+    "generate (greedy, sampling, beam search), or a token_mixer='attention' model for assisted decoding."
+)
+
+
 class DeltaNetCache(DeltaWindowsMixin, Cache):
     """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors.
 
@@ -440,7 +479,47 @@ class DeltaNetCache(DeltaWindowsMixin, Cache):
         return False  # the token count is a Python int
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise RuntimeError("DeltaNetCache cannot be cropped: the recurrent state cannot forget tokens.")
+        raise RuntimeError(
+            "DeltaNetCache cannot be cropped: the recurrent state cannot forget tokens (assisted / speculative "
+            "decoding, prompt lookup and anything else that rolls the cache back need a token_mixer='attention' model)."
+        )
+
+
+def require_delta_net_cache(cache: Cache | None) -> None:
+    """A DeltaNet model needs its own cache: transformers' caches built from the config (`DynamicCache`,
+    `StaticCache`) hold `LinearAttentionLayer`s that cannot say how many tokens they absorbed, which GPT-2's
+    position embeddings need."""
+    if cache is not None and not isinstance(cache, DeltaNetCache):
+        raise TypeError(
+            f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
+            "pass past_key_values=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
+        )
+
+
+class DeltaNetShortConv(nn.Conv1d):
+    """DeltaNet's short causal depthwise convolution over `[q | k | v]` (`weight` `[C, 1, K]`, no bias).
+
+    `forward(x)` is `nn.Conv1d`'s; `forward(x, document)` also takes the document of every input, so that in packed
+    rows a tap that would read a token of an earlier document reads 0 instead (as if each document were alone).
+    Every use of the weight is in `forward`, so tools that load weights around it (accelerate offload) see it.
+    """
+
+    def __init__(self, channels: int, size: int):
+        super().__init__(channels, channels, size, groups=channels, bias=False)
+
+    def forward(self, x: torch.Tensor, document: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[B, C, K - 1 + T]` (the K - 1 inputs before the first output included), document `[B, K - 1 + T]`;
+        returns the `[B, C, T]` outputs."""
+        if document is None:
+            return super().forward(x)
+        size = self.kernel_size[0]
+        seq_len = x.shape[-1] - (size - 1)
+        weight = self.weight[:, 0]  # [C, K]: tap j reads input t - (K - 1) + j for output t
+        target = document[:, size - 1 :]
+        return sum(
+            weight[:, j, None] * x[..., j : j + seq_len] * (document[:, j : j + seq_len] == target).unsqueeze(1)
+            for j in range(size)
+        )
 
 
 class DeltaNetAttention(nn.Module):
@@ -471,7 +550,7 @@ class DeltaNetAttention(nn.Module):
         self.b_proj = nn.Linear(hidden_size, self.num_heads)
         if self.conv_size > 0:
             conv_dim = 3 * self.inner_dim  # one depthwise conv over [q | k | v]: one cached window per layer
-            self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.conv_size, groups=conv_dim, bias=False)
+            self.conv1d = DeltaNetShortConv(conv_dim, self.conv_size)
         self.o_norm = nn.RMSNorm(self.head_dim, eps=config.layer_norm_epsilon)
         self.o_proj = nn.Linear(self.inner_dim, hidden_size)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
@@ -488,11 +567,7 @@ class DeltaNetAttention(nn.Module):
         the conv window restart there."""
         batch, seq_len, _ = hidden_states.shape
         cache = past_key_values
-        if cache is not None and not isinstance(cache, DeltaNetCache):
-            raise TypeError(
-                f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
-                "pass past_key_values=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
-            )
+        require_delta_net_cache(cache)
         token_mask = None
         if attention_mask is not None:
             token_mask = attention_mask[:, -seq_len:].to(hidden_states.dtype)  # 1 = token, 0 = padding
@@ -538,17 +613,12 @@ class DeltaNetAttention(nn.Module):
             x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_size)
         x = nn.functional.pad(x, (self.conv_size - 1, 0))
         if document_starts is None:
-            y = nn.functional.conv1d(x, self.conv1d.weight, groups=x.shape[1])[..., -seq_len:]
+            y = self.conv1d(x)[..., -seq_len:]
         else:
             # The document of every input, inputs before the new tokens (cached window, padding) in the first one.
             document = nn.functional.pad(document_starts.long().cumsum(-1), (x.shape[-1] - seq_len, 0))
-            document, x = document[:, -(seq_len + self.conv_size - 1) :], x[..., -(seq_len + self.conv_size - 1) :]
-            weight = self.conv1d.weight[:, 0]  # [C, K]: tap j reads input t - (K - 1) + j for output t
-            target = document[:, self.conv_size - 1 :]
-            y = sum(
-                weight[:, j, None] * x[..., j : j + seq_len] * (document[:, j : j + seq_len] == target).unsqueeze(1)
-                for j in range(self.conv_size)
-            )
+            span = seq_len + self.conv_size - 1
+            y = self.conv1d(x[..., -span:], document[:, -span:])
         return nn.functional.silu(y).transpose(1, 2)
 
 
@@ -731,6 +801,15 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
     }
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
 
+    def __init__(self, config: DeltaGPTConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        if config.token_mixer == "delta_net":
+            # transformers reads these class flags from the instance; they depend on the mixer, so per instance.
+            # Stateful: the recurrent state cannot be rolled back, so generate refuses assisted decoding up front.
+            # `_can_compile_fullgraph` stays True: prefill and decoding steps compile with fullgraph=True (tested);
+            # generate never auto-compiles it, as DeltaNetCache is not `is_compileable` (no static cache).
+            self._is_stateful = True
+
     # The one place that says which modules and parameters are Delta (not in a GPT-2 checkpoint); conversion, export,
     # DeltaTrainer, DeltaStatsCallback and `ddl-hf inspect` all ask these methods.
 
@@ -909,6 +988,9 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         else:
             raise ValueError("You have to specify either input_ids or inputs_embeds")
 
+        self._check_read_out_placement(input_ids if inputs_embeds is None else inputs_embeds)
+        if isinstance(attention_mask, dict):  # generate with a static cache: masks by layer type (config.layer_types)
+            attention_mask = attention_mask.get(self.config.layer_types[0])
         delta_net = self.config.token_mixer == "delta_net"
         temporal = self.config.delta_temporal
         if use_cache and past_key_values is None:
@@ -916,7 +998,9 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 past_key_values = DeltaNetCache(self.config)
             else:
                 past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
-        if temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
+        if delta_net:
+            require_delta_net_cache(past_key_values)
+        elif temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
             raise TypeError(
                 f"delta_state_read={self.config.delta_state_read!r} / delta_embed_expand="
                 f"{self.config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
@@ -983,7 +1067,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         final_state = hidden_states
         if self.read_out_conv is not None:
             read = self.read_out if self.value_channels > 1 else None
-            hidden_states = self.read_out_conv.read(hidden_states, read, delta_context, "read_out")
+            hidden_states = self.read_out_conv(hidden_states, read, delta_context, "read_out")
         elif self.value_channels > 1:
             hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
         hidden_states = self.ln_f(hidden_states)
@@ -995,6 +1079,18 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
             expanded_states=(final_state,) if hand_over_final_state else None,
         )
+
+    def _check_read_out_placement(self, inputs: torch.Tensor) -> None:
+        """`read_out` is a bare parameter of the whole model: accelerate, which loads an offloaded weight only around
+        the forward of the module that owns it, cannot load it when a device map offloads it on its own entry."""
+        if self.value_channels > 1 and self.read_out.is_meta and not inputs.is_meta:
+            raise RuntimeError(
+                "DeltaGPTModel.read_out (the final read vector, delta_value_channels floats) is still on the meta "
+                "device: a device_map gave this bare parameter an offloaded device of its own ('disk', or 'cpu' when "
+                "the model runs on a GPU), and accelerate loads offloaded weights only around the forward of the "
+                "module that owns them. Map 'transformer.read_out' ('read_out' for a DeltaGPTModel) to the execution "
+                "device, as device_map='auto' does, or offload 'transformer' as a whole."
+            )
 
     def _check_inputs(
         self,
@@ -1051,10 +1147,21 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
+    def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
+        """Refuse assisted decoding up front for a DeltaNet model, naming why (transformers' own check says only
+        "stateful model"): it needs to roll the cache back over the rejected draft tokens."""
+        if self._is_stateful and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(_NO_CACHE_ROLLBACK.format(role="with assisted / speculative decoding or prompt lookup"))
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate` builds a DynamicCache from the config; a DeltaNet model needs its recurrent-state cache."""
         wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
         delta_net = self.config.token_mixer == "delta_net"
+        if delta_net:
+            require_delta_net_cache(model_kwargs.get("past_key_values"))  # before generate asks it for its length
+            if getattr(generation_config, "is_assistant", False):
+                raise ValueError(_NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
         if not (delta_net or self.config.delta_temporal) or not wants_new_cache:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.cache_implementation not in (None, "dynamic"):

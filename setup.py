@@ -38,10 +38,13 @@ setup(
             "pytest>=8",
             "hypothesis>=6.100",
             "ruff>=0.6",
+            "scipy>=1.10",  # the studies' confidence intervals (benchmarks/bench_pretrain.py, bench_finetune.py)
             # DeltaNet ONNX export test (torch.onnx.export(dynamo=True) + onnxruntime)
             "onnx>=1.17",
             "onnxscript>=0.3",
             "onnxruntime>=1.20",
+            # tests/test_trl.py (SFTTrainer packed / unpacked, DPOTrainer); needs no torch of its own
+            "trl>=1.16",
         ]
     },
     entry_points={

@@ -1,11 +1,17 @@
-"""Eval loss after the same fine-tuning budget: GPT-2 vs DeltaGPT (additive, d_v = 1 and 4), 3 seeds.
+"""Fine-tuning a converted model: GPT-2 vs DeltaGPT converted from it (beta = 0), several seeds, paired statistics.
 
-    python benchmarks/bench_finetune.py                 # default base (the demo's cached small GPT-2), ~10 min
-    python benchmarks/bench_finetune.py --base gpt2     # any GPT-2 Hub id / directory (online)
+    python benchmarks/bench_pretrain.py              # first: trains (and keeps) the base GPT-2s
+    python benchmarks/bench_finetune.py              # then: ~25 min on 2 CPU cores, results/finetune.{json,md,png}
+    python benchmarks/bench_finetune.py --base gpt2  # any GPT-2 Hub id or directory (online), GPT-2's tokenizer
 
-Every variant starts from the same base GPT-2 (DeltaGPT is converted from it, beta = 0, so all variants start
-from the same function), is fine-tuned with `DeltaTrainer` on the same Shakespeare batches for the same number of
-steps at the same learning rate, and is evaluated on a held-out play. Writes `results/finetune.{json,md,png}`.
+The base is a GPT-2 that has really learned: the from-scratch study's baseline (`bench_pretrain.py`, seed 0: a
+byte-level BPE of 512 tokens, trained on five Austen novels to a validation loss far below the unigram entropy).
+It is fine-tuned on a different author and form (four Shakespeare comedies) and evaluated on a fifth (*A Midsummer
+Night's Dream*). Every variant starts from the same function (DeltaGPT converted with beta = 0 computes the base's
+logits exactly, in additive mode), sees the same batches in the same order (`data_seed` = seed) with the same
+optimizer and schedule; per seed the comparison is paired. Variants: GPT-2; DeltaGPT additive with the Delta
+parameters' learning rate x1 and x10; additive starting at a small beta; the paper mode converted (its blocks start
+as the identity, so it starts far from the base). Beta is logged over training (`DeltaStatsCallback`).
 """
 
 from __future__ import annotations
@@ -13,192 +19,242 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
-from _common import atomic_path, provenance, write_json, write_markdown
-from transformers import set_seed
-
-import ddl_hf
-from ddl_hf.corpus import lm_datasets
-from ddl_hf.training import BaseSpec, base_gpt2, finetune
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {
-    "gpt2": {},
-    "delta_dv1": {"delta_value_channels": 1},
-    "delta_dv4": {"delta_value_channels": 4},
+
+#: name -> (label, convert_gpt2 overrides or None for GPT-2, Delta learning-rate multiplier).
+VARIANTS: dict[str, tuple[str, dict | None, float]] = {
+    "gpt2": ("GPT-2", None, 1.0),
+    "additive": ("DeltaGPT additive, Delta lr x1", {}, 1.0),
+    "additive_lr10": ("DeltaGPT additive, Delta lr x10", {}, 10.0),
+    "additive_beta0.1": ("DeltaGPT additive, beta init 0.1", {"delta_beta_init": 0.1}, 1.0),
+    "paper": ("DeltaGPT paper mode (converted)", {"delta_mode": "paper"}, 1.0),
 }
-LABELS = {"gpt2": "GPT-2", "delta_dv1": "DeltaGPT additive d_v=1", "delta_dv4": "DeltaGPT additive d_v=4"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: the demo's small GPT-2)")
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: bench_pretrain's base)")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--delta-lr-scale", type=float, default=1.0, help="lr multiplier of the Delta parameters")
-    parser.add_argument("--eval-blocks", type=int, default=24)
+    parser.add_argument("--eval-every", type=int, default=40)
+    parser.add_argument("--eval-blocks", type=int, default=128, help="leading blocks of the held-out play")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--output-dir", default=str(RESULTS))
     parser.add_argument("--name", default="finetune", help="stem of the result files")
-    parser.add_argument("--base-spec", default=None, help="JSON BaseSpec overrides for the default base")
     parser.add_argument("--from-json", default=None, help="only re-render the report of an earlier results JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if "gpt2" not in args.variants:
+        parser.error("--variants must include gpt2: every comparison is paired with it")
+    return args
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def default_base() -> Path:
+    """The from-scratch study's GPT-2 baseline at seed 0 (cpu preset), trained and kept by bench_pretrain.py."""
+    import bench_pretrain
+
+    ns = bench_pretrain.parse_args([])
+    folder = bench_pretrain.cache_root(ns, bench_pretrain.resolve_preset(ns))
+    base = bench_pretrain.run_path(folder, "gpt2", 0).with_suffix("")
+    if not (base / "config.json").exists():
+        raise SystemExit(
+            f"bench_finetune: no base GPT-2 at {base}. Run `python benchmarks/bench_pretrain.py` first (it trains and "
+            "keeps it), or pass --base with a GPT-2 Hub id or directory."
+        )
+    return base
 
 
-def plot(results: dict, path: Path, title: str) -> None:
+def load_base(name: str | Path):
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from ddl_hf.training import use_causal_lm_loss_accounting
+
+    model = use_causal_lm_loss_accounting(GPT2LMHeadModel.from_pretrained(name).eval())
+    return model, AutoTokenizer.from_pretrained(name)
+
+
+def one_run(base, data, variant: str, seed: int, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Fine-tune one (variant, seed); return the eval curve, the final eval loss and beta over training."""
+    from transformers import set_seed
+
+    import ddl_hf
+    from ddl_hf.callbacks import DeltaStatsCallback
+    from ddl_hf.training import finetune
+
+    _, overrides, delta_lr_scale = VARIANTS[variant]
+    set_seed(seed)  # also seeds the random init of the new Delta parameters (values, gate weights)
+    model = copy.deepcopy(base) if overrides is None else ddl_hf.convert_gpt2(base, **overrides)
+    started = time.process_time()
+    run = finetune(
+        model.train(),
+        data["train"],
+        data["eval"],
+        scratch / f"{variant}-{seed}",
+        steps=args.steps,
+        learning_rate=args.lr,
+        batch_size=args.batch_size,
+        seed=seed,
+        delta_lr_scale=delta_lr_scale,
+        callbacks=[] if overrides is None else [DeltaStatsCallback()],
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        disable_tqdm=False,
+    )
+    history = run.log_history
+    curve = {0: run.eval_loss_before} | {e["step"]: e["eval_loss"] for e in history if "eval_loss" in e}
+    curve[args.steps] = run.eval_loss_after
+    return {
+        "variant": variant,
+        "seed": seed,
+        "eval_loss_before": run.eval_loss_before,
+        "eval_loss_after": run.eval_loss_after,
+        "curve": sorted(curve.items()),
+        "beta_mean": [(e["step"], e["beta_mean"]) for e in history if "beta_mean" in e],
+        "beta_max": [(e["step"], e["beta_max"]) for e in history if "beta_max" in e],
+        "cpu_seconds": time.process_time() - started,
+    }
+
+
+def analyse(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    from bench_pretrain import mean_std, paired_difference
+
+    base = {r["seed"]: r["eval_loss_after"] for r in runs["gpt2"]}
+    table = {}
+    for variant, variant_runs in runs.items():
+        after = [r["eval_loss_after"] for r in variant_runs]
+        row: dict[str, Any] = {"label": VARIANTS[variant][0], "seeds": [r["seed"] for r in variant_runs]}
+        row["before"] = variant_runs[0]["eval_loss_before"]
+        row["after"] = dict(zip(("mean", "std"), mean_std(after)))
+        if variant != "gpt2":
+            row["vs_gpt2"] = paired_difference(after, [base[r["seed"]] for r in variant_runs])
+            row["final_beta_mean"] = mean_std([r["beta_mean"][-1][1] for r in variant_runs if r["beta_mean"]])
+            row["final_beta_max"] = mean_std([r["beta_max"][-1][1] for r in variant_runs if r["beta_max"]])
+        table[variant] = row
+    return table
+
+
+def markdown(results: dict) -> str:
+    from bench_pretrain import fmt_ci, verdict
+
+    b = results["budget"]
+    lines = [
+        "# Fine-tuning a converted model: GPT-2 vs DeltaGPT",
+        "",
+        f"Base: {results['base']} ({results['base_params']:,} parameters). Fine-tuning: {b['steps']} steps x "
+        f"{b['batch_size']} x {b['block_size']} tokens of {b['train_text']} ({b['train_tokens']:,} tokens), AdamW lr "
+        f"{b['learning_rate']:g} (cosine, 10% warm-up); eval on {b['eval_text']} ({b['eval_tokens']:,} tokens); "
+        f"seeds {results['seeds']}.",
+        "",
+        "Δ = variant − GPT-2 at the same seed (same batches), mean and 95% t-interval; negative = better than GPT-2.",
+        "",
+        "| variant | eval loss before | after (mean ± std) | Δ vs GPT-2 [95% CI] | | β mean / max at the end |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["analysis"].values():
+        after = f"{row['after']['mean']:.4f} ± {row['after']['std']:.4f}"
+        if "vs_gpt2" not in row:
+            lines.append(f"| {row['label']} | {row['before']:.4f} | {after} | | | |")
+            continue
+        beta = f"{row['final_beta_mean'][0]:.3f} / {row['final_beta_max'][0]:.3f}"
+        lines.append(
+            f"| {row['label']} | {row['before']:.4f} | {after} | {fmt_ci(row['vs_gpt2'])} | "
+            f"{verdict(row['vs_gpt2'])} | {beta} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    names = list(results["variants"])
-    for i, name in enumerate(names):
-        losses = [run["eval_loss_after"] for run in results["variants"][name]["runs"]]
-        mean, std = mean_std(losses)
-        ax.bar(i, mean, yerr=std, capsize=6, color=f"C{i}", alpha=0.75)
-        ax.scatter([i] * len(losses), losses, color="k", s=12, zorder=3)
-    before = results["variants"][names[0]]["runs"][0]["eval_loss_before"]
-    ax.axhline(before, color="gray", linestyle=":", label=f"before fine-tuning ({before:.3f})")
-    ax.set_xticks(range(len(names)), [LABELS[n] for n in names], fontsize=8)
-    all_losses = [r["eval_loss_after"] for n in names for r in results["variants"][n]["runs"]]
-    low, high = min(all_losses), max(max(all_losses), before)
-    ax.set_ylim(low - 0.15 * (high - low + 1e-3), high + 0.1 * (high - low + 1e-3))
-    ax.set_ylabel("eval loss (held-out play)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for variant, runs in results["runs"].items():
+        steps = np.array([s for s, _ in runs[0]["curve"]])
+        losses = np.array([[v for _, v in r["curve"]] for r in runs])
+        style = dict(lw=2.2, color="black") if variant == "gpt2" else dict(lw=1.2)
+        (line,) = ax.plot(steps, losses.mean(0), label=VARIANTS[variant][0], **style)
+        ax.fill_between(steps, losses.min(0), losses.max(0), color=line.get_color(), alpha=0.15)
+        if runs[0]["beta_mean"]:
+            beta_steps = [s for s, _ in runs[0]["beta_mean"]]
+            betas = np.array([[v for _, v in r["beta_mean"]] for r in runs])
+            bx.plot(beta_steps, betas.mean(0), color=line.get_color(), label=VARIANTS[variant][0])
+    ax.set(xlabel="step", ylabel="eval loss (held-out play)", title="Eval loss (mean, band = seed range)")
+    ax.legend(fontsize=7)
+    bx.set(xlabel="step", ylabel="mean β over training batches", title="β over fine-tuning")
+    bx.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_report(results: dict, out: Path, name: str) -> None:
-    """Markdown table (mean ± std, per seed, paired difference to GPT-2 at the same seed) and the plot."""
-    b = results["budget"]
-    seeds = results["seeds"]
-    lines = [
-        f"Base: {results['base']} ({results['base_params'] / 1e6:.1f}M parameters). Budget: {b['steps']} steps x "
-        f"{b['batch_size']} x {b['block_size']} tokens, lr {b['learning_rate']} (Delta parameters x"
-        f"{b['delta_lr_scale']}), {b['scheduler']}; eval on {b['eval_text']}; seeds {seeds}.",
-        "",
-        "| model | eval loss after (mean ± std) | eval perplexity after | per seed | paired diff. vs GPT-2 (mean) |",
-        "|---|---|---|---|---|",
-    ]
-    reference = results["variants"].get("gpt2")
-    for v in results["variants"].values():
-        per_seed = ", ".join(f"{r['eval_loss_after']:.4f}" for r in v["runs"])
-        paired = "—"
-        if reference is not None and v is not reference:
-            diffs = [r["eval_loss_after"] - g["eval_loss_after"] for r, g in zip(v["runs"], reference["runs"])]
-            paired = f"{statistics.fmean(diffs):+.4f} ({', '.join(f'{d:+.4f}' for d in diffs)})"
-        lines.append(
-            f"| {v['label']} | {v['mean']:.4f} ± {v['std']:.4f} | {math.exp(v['mean']):.2f} | {per_seed} | {paired} |"
-        )
-    first = next(iter(results["variants"].values()))["runs"][0]
-    lines += ["", f"Eval loss before fine-tuning (all variants, same function): {first['eval_loss_before']:.4f}."]
-    write_markdown(out / f"{name}.md", "\n".join(lines) + "\n", results.get("provenance"))
-    plot(results, out / f"{name}.png", f"eval loss after {b['steps']} fine-tuning steps, {len(seeds)} seeds")
-    print("\n".join(lines))
-    print(f"\nwritten to {out}/{name}.{{json,md,png}} in {results['wall_seconds']:.0f} s")
-
-
 def main(argv: list[str] | None = None) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import provenance, write_results
+
     args = parse_args(argv)
+    out = Path(args.output_dir)
     if args.from_json:  # re-render the table and plot of an earlier run, without training
-        path = Path(args.from_json)
-        results = json.loads(path.read_text())
-        write_report(results, path.parent, path.stem)
+        results = json.loads(Path(args.from_json).read_text())
+        write_results(out, args.name, results, markdown(results))
+        plot(results, out / f"{args.name}.png")
         return results
-    start = time.time()
+    import torch
+
+    torch.set_num_threads(args.threads)
     prov = provenance(None if argv is None else [__file__, *argv])
-    spec = BaseSpec(**json.loads(args.base_spec)) if args.base_spec else BaseSpec()
-    gpt2, tokenizer, origin = base_gpt2(args.base, cache_dir=args.cache_dir, spec=spec)
-    block_size = min(spec.block_size, gpt2.config.n_positions)
+    from ddl_hf.corpus import lm_datasets
+
+    start = time.time()
+    base_name = args.base or default_base()
+    base, tokenizer = load_base(base_name)
+    block_size = min(args.block_size, base.config.n_positions)
     data = lm_datasets(
-        tokenizer,
-        block_size,
-        max_train_blocks=args.steps * args.batch_size,
-        max_eval_blocks=args.eval_blocks,
+        tokenizer, block_size, max_train_blocks=args.steps * args.batch_size, max_eval_blocks=args.eval_blocks
     )
-    results: dict = {
+    results: dict[str, Any] = {
         "provenance": prov,
-        "base": origin,
-        "base_params": sum(p.numel() for p in gpt2.parameters()),
+        "base": str(args.base) if args.base else "bench_pretrain.py's GPT-2 baseline, seed 0",
+        "base_params": sum(p.numel() for p in base.parameters()),
         "budget": {
             "steps": args.steps,
             "batch_size": args.batch_size,
             "block_size": block_size,
             "learning_rate": args.lr,
-            "delta_lr_scale": args.delta_lr_scale,
-            "scheduler": "cosine, 10% warmup",
-            "train_text": "shakespeare-train",
-            "eval_text": f"shakespeare-eval ({len(data['eval'])} blocks)",
+            "train_text": "four Shakespeare comedies",
+            "train_tokens": len(data["train"]) * block_size,
+            "eval_text": "A Midsummer Night's Dream",
+            "eval_tokens": len(data["eval"]) * block_size,
         },
         "seeds": args.seeds,
-        "variants": {},
+        "runs": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
-        for name in args.variants:
-            runs = []
+        for variant in args.variants:
+            results["runs"][variant] = []
             for seed in args.seeds:
-                print(f"== {LABELS[name]}, seed {seed}", flush=True)
-                set_seed(seed)  # also seeds the random init of the new Delta parameters
-                model = copy.deepcopy(gpt2) if name == "gpt2" else ddl_hf.convert_gpt2(gpt2, **VARIANTS[name])
-                run_start = time.time()
-                run = finetune(
-                    model.train(),
-                    data["train"],
-                    data["eval"],
-                    Path(scratch) / f"{name}-{seed}",
-                    steps=args.steps,
-                    learning_rate=args.lr,
-                    batch_size=args.batch_size,
-                    seed=seed,
-                    delta_lr_scale=args.delta_lr_scale if name != "gpt2" else 1.0,
-                    disable_tqdm=False,
-                )
-                betas = {}
-                if name != "gpt2":
-                    with torch.no_grad():
-                        ids = torch.tensor(data["eval"]["input_ids"][:4])
-                        out = model.eval()(ids, output_betas=True)
-                        betas = {"mean_beta_per_block": [round(float(b.mean()), 4) for b in out.betas]}
-                runs.append(
-                    {
-                        "seed": seed,
-                        "eval_loss_before": run.eval_loss_before,
-                        "eval_loss_after": run.eval_loss_after,
-                        "perplexity_after": math.exp(run.eval_loss_after),
-                        "seconds": round(time.time() - run_start, 1),
-                        **betas,
-                    }
-                )
-                print(f"   eval loss {run.eval_loss_before:.4f} -> {run.eval_loss_after:.4f}", flush=True)
-            after = [r["eval_loss_after"] for r in runs]
-            mean, std = mean_std(after)
-            results["variants"][name] = {"label": LABELS[name], "mean": mean, "std": std, "runs": runs}
+                print(f"== {VARIANTS[variant][0]}, seed {seed}", flush=True)
+                run = one_run(base, data, variant, seed, args, Path(scratch))
+                results["runs"][variant].append(run)
+                print(f"   eval loss {run['eval_loss_before']:.4f} -> {run['eval_loss_after']:.4f}", flush=True)
+    results["analysis"] = analyse(results["runs"])
     results["wall_seconds"] = round(time.time() - start, 1)
-
-    out = Path(args.output_dir)
-    write_json(out / f"{args.name}.json", results)
-    write_report(results, out, args.name)
+    write_results(out, args.name, results, markdown(results))
+    plot(results, out / f"{args.name}.png")
+    print(markdown(results))
     return results
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

@@ -84,7 +84,7 @@ class DeltaStatsCallback(TrainerCallback):
 
     def _hook(self, label: str):
         def record(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
-            if not module.training:
+            if not module.training or output[1] is None:  # None: the residual's read, not a write
                 return
             betas = output[1].detach().float()
             sums = self._sums.setdefault(label, [0.0, 0.0, 0.0, 0.0, 0.0])  # count, sum, keep, reflect, max

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import ddl_hf
 
@@ -50,6 +50,24 @@ DELTA_NET = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
+
+#: One tiny model per kind of code path a tool can trip on (issue 10): both modes at d_v 1 and 4, the DeltaNet mixer,
+#: and the paper's read / expand variants (TC at d_v 1, TC + EC and CC at d_v 4). Ids are the keys.
+CLIENT_VARIANTS: dict[str, dict[str, Any]] = {
+    "additive-dv1": dict(),
+    "paper-dv1": dict(delta_mode="paper"),
+    "additive-dv4": dict(delta_value_channels=4),
+    "paper-dv4": dict(delta_mode="paper", delta_value_channels=4),
+    "delta_net-dv1": dict(token_mixer="delta_net", delta_net_chunk_size=4),
+    "delta_net-paper-dv4": dict(
+        token_mixer="delta_net", delta_net_chunk_size=4, delta_mode="paper", delta_value_channels=4
+    ),
+    "tc-dv1": dict(delta_state_read="temporal_conv"),
+    "tc-ec-paper-dv4": dict(
+        delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv"
+    ),
+    "cc-dv4": dict(delta_value_channels=4, delta_state_read="channel_conv"),
+}
 
 #: Shapes of the GPT-2 family: (n_layer, n_head, n_embd) of the real checkpoints.
 GPT2_FAMILY = {
@@ -139,3 +157,29 @@ def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
                     param.copy_(torch.randn(param.shape, generator=generator))
                 if module.v_proj is not None:  # None with delta_value="constant"
                     module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))
+
+
+def scramble_delta_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """`open_gates`, and random read vectors and convolutions (TC / CC / EC, DeltaNet's short conv), so that every
+    Delta parameter moves the logits: a tool that drops or misplaces one of them changes the output."""
+    open_gates(model, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("read_weights", "read_out")) or "conv" in name or "embed_expand" in name:
+                param.copy_(0.5 + 0.5 * torch.randn(param.shape, generator=generator))
+
+
+def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the words of `texts` (id 0 = `<|endoftext|>`: BOS, EOS and padding, as GPT-2's),
+    for tools that take text and a tokenizer (trl): a vocabulary of tens, so the tiny models stay tiny."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({word for text in texts for word in text.split()})
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1} | {word: i + 2 for i, word in enumerate(words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    end = "<|endoftext|>"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=end, eos_token=end, pad_token=end, unk_token="[UNK]"
+    )

@@ -113,3 +113,20 @@ def test_console_full_restores_every_key_for_later_callbacks(delta_model_dir, tm
     logs = {"loss": 1.0}
     callback.on_log(trainer.args, trainer.state, trainer.control, logs=logs)
     assert "beta/L0.attn/mean" in logs and "beta_mean" in logs
+
+
+def test_reads_through_the_residual_forward_are_not_counted_as_writes():
+    """With d_v > 1 every Delta residual's read runs through its forward too (so that offload hooks fire) and returns
+    `(read, None)`; the callback counts only the writes: one beta per token and block, the same as output_betas."""
+    from builders import delta_model
+
+    model = delta_model(delta_value_channels=4, delta_beta_init=0.5).train()
+    callback = DeltaStatsCallback()
+    callback.on_train_begin(None, None, None, model=model)
+    ids = torch.randint(1, 97, (2, 5))
+    betas = model(ids, output_betas=True).betas
+    stats = callback.pop_stats()
+    callback.remove_hooks()
+    assert len(betas) == 4 and all(b.shape == (2, 5) for b in betas)
+    for label, beta in zip(BLOCKS, betas):
+        assert stats[f"beta/{label}/mean"] == pytest.approx(float(beta.mean()), rel=1e-6)

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import delta_model, gpt2_model, open_gates
+from builders import CLIENT_VARIANTS, delta_model, gpt2_model, open_gates
 
 import ddl_hf
-
-VARIANTS = [dict(delta_mode=mode, delta_value_channels=d_v) for mode in ("additive", "paper") for d_v in (1, 4)] + [
-    dict(token_mixer="delta_net")
-]
 
 
 def quantize(model: torch.nn.Module) -> torch.nn.Module:
@@ -33,7 +29,7 @@ def test_dynamic_quantization_of_a_converted_model_equals_quantized_gpt2():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={w}" for k, w in v.items()))
+@pytest.mark.parametrize("variant", CLIENT_VARIANTS.values(), ids=CLIENT_VARIANTS.keys())
 def test_dynamically_quantized_models_run_and_generate(variant):
     model = delta_model(**variant)
     open_gates(model)

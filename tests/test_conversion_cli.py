@@ -173,6 +173,26 @@ def test_report_printed_and_paper_mode_cost(source_dir, tmp_path, capsys):
     assert ddl_hf.AutoConfig.from_pretrained(tmp_path / "paper").delta_mode == "paper"
 
 
+def test_conversion_prints_no_loss_type_warning(source_dir, tmp_path):
+    """The equivalence report computes both perplexities from the logits itself, so a GPT-2 config without a
+    `loss_type` (every Hub GPT-2) is not warned about; transformers warns once per process, hence the cache clear."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    library_logger = hf_logging.get_logger("transformers")
+    hf_logging.warning_once.cache_clear()
+    with CaptureLogger(library_logger) as conversion:
+        assert run_convert("--source", str(source_dir), "--output", str(tmp_path / "out"), "--quiet") == 0
+    assert "loss_type" not in conversion.out
+    gpt2 = trained_gpt2()
+    gpt2.config.loss_type = None
+    gpt2.loss_type = None
+    hf_logging.warning_once.cache_clear()
+    with CaptureLogger(library_logger) as control:  # the control: the warning does reach this capture
+        gpt2(HELD_OUT[:, :8], labels=HELD_OUT[:, :8])
+    assert "loss_type" in control.out
+
+
 def test_source_without_tokenizer(tmp_path, capsys):
     source = save_source(trained_gpt2(), tmp_path / "weights-only", tokenizer=False)
     assert run_convert("--source", str(source), "--output", str(tmp_path / "out")) == 0
