@@ -23,8 +23,10 @@ from .conversion import (
     beta_upper_bounds,
     convert_checkpoint,
     convert_gpt2,
+    convert_llama,
     equivalence_report,
     export_to_gpt2,
+    export_to_llama,
     push_converted_to_hub,
 )
 from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
@@ -97,10 +99,12 @@ __all__ = [
     "beta_upper_bounds",
     "convert_checkpoint",
     "convert_gpt2",
+    "convert_llama",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",
     "equivalence_report",
     "export_to_gpt2",
+    "export_to_llama",
     "push_converted_to_hub",
 ]

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import ddl_hf
-from ddl_hf import DeltaLlamaConfig, DeltaLlamaForCausalLM
+from ddl_hf import ConversionError, DeltaLlamaConfig, DeltaLlamaForCausalLM
 
 VOCAB = 97
 PAD = 0
@@ -44,7 +44,6 @@ FAMILIES = {
     "qwen2": (Qwen2Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "qwen3": (Qwen3Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
 }
-NOT_CARRIED = ("model_type", "architectures", "transformers_version", "_name_or_path")
 
 
 def build_source(family: str, seed: int = 0):
@@ -56,11 +55,7 @@ def build_source(family: str, seed: int = 0):
 
 def to_delta(source, **overrides) -> DeltaLlamaForCausalLM:
     """The source's weights in a DeltaLlamaForCausalLM (the Delta parameters, which the source lacks, start exact)."""
-    fields = {k: v for k, v in source.config.to_dict().items() if k not in NOT_CARRIED}
-    config = DeltaLlamaConfig(source_model_type=source.config.model_type, **{**fields, **overrides})
-    state_dict = {name: tensor.clone() for name, tensor in source.state_dict().items()}
-    model = DeltaLlamaForCausalLM.from_pretrained(None, config=config, state_dict=state_dict)
-    return model.eval()
+    return ddl_hf.convert_llama(source, **overrides).eval()
 
 
 def open_gates(model: DeltaLlamaForCausalLM, seed: int = 1) -> DeltaLlamaForCausalLM:
@@ -274,5 +269,87 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
     assert "OK DeltaLlamaForCausalLM" in result.stdout
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_convert_from_a_directory_and_export_back_while_gates_are_closed(family, tmp_path):
+    source = build_source(family)
+    source.save_pretrained(tmp_path / "source")
+    model = ddl_hf.convert_llama(tmp_path / "source", delta_value_channels=4).eval()
+    ids = random_ids()
+    with torch.no_grad():
+        expected = source(ids).logits
+        assert torch.equal(model(ids).logits, expected)
+        exported = ddl_hf.export_to_llama(model).eval()
+        assert type(exported) is type(source)
+        assert torch.equal(exported(ids).logits, expected)
+
+    def fields(config):  # dtype and architectures are written by loading and saving, not the architecture
+        return {k: v for k, v in config.to_diff_dict().items() if k not in ("dtype", "architectures")}
+
+    assert fields(exported.config) == fields(source.config)
+    source_weights = source.state_dict()
+    assert all(torch.equal(tensor, source_weights[name]) for name, tensor in exported.state_dict().items())
+
+
+def test_export_refuses_open_gates_paper_mode_and_moved_reads():
+    source = build_source("qwen2")
+    opened = r"4 of 4 Delta blocks have an open gate\. Largest beta found: 1\.6 in model\.layers\."
+    with pytest.raises(ValueError, match=opened):
+        ddl_hf.export_to_llama(open_gates(to_delta(source)))
+    with pytest.raises(ValueError, match="Cannot export a paper-mode Delta model to Qwen2"):
+        ddl_hf.export_to_llama(to_delta(source, delta_mode="paper"))
+    model = to_delta(source, delta_value_channels=4)
+    with torch.no_grad():
+        model.model.read_out.add_(0.1)
+    with pytest.raises(ValueError, match=r"read vector must sum to 1.*'model.read_out'"):
+        ddl_hf.export_to_llama(model)
+
+
+def test_convert_refuses_bad_input_with_the_fix(tmp_path):
+    gpt2_dir = tmp_path / "gpt2"
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(gpt2_dir)
+    with pytest.raises(ConversionError, match=r"model_type 'gpt2'.*Supported families: llama, mistral, qwen2, qwen3"):
+        ddl_hf.convert_llama(gpt2_dir)
+    with pytest.raises(ConversionError, match="No such directory"):
+        ddl_hf.convert_llama(tmp_path / "missing")
+    source = build_source("llama")
+    with pytest.raises(ConversionError, match=r"Unknown DeltaLlamaConfig field\(s\) \['delta_moed'\]"):
+        ddl_hf.convert_llama(source, delta_moed="paper")
+    with pytest.raises(ConversionError, match=r"Invalid DeltaLlama setting: .*delta_value_channels=0"):
+        ddl_hf.convert_llama(source, delta_value_channels=0)
+    with pytest.raises(ConversionError, match="already a DeltaLlama"):
+        ddl_hf.convert_llama(to_delta(source))
+    # The conversion copies: training the result leaves the source untouched.
+    model = to_delta(source)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(1.0)
+    assert not torch.equal(model.model.layers[0].mlp.down_proj.weight, source.model.layers[0].mlp.down_proj.weight)
+
+
+def test_trainer_step_moves_delta_parameters(tmp_path):
+    """One optimizer step through the model's loss (`self.loss_function`) with transformers' Trainer."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = to_delta(build_source("mistral"), delta_beta_init=0.5).train()
+    before = {name: p.detach().clone() for name, p in model.delta_parameters().items()}
+    ids = random_ids(8, 10)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+    )
+    Trainer(model=model, args=args, train_dataset=data).train()
+    moved = [name for name, p in model.delta_parameters().items() if not torch.equal(p.detach(), before[name])]
+    assert any(".beta_proj." in name for name in moved) and any(".v_proj." in name for name in moved)
+
+
 def test_package_exports():
-    assert {"DeltaLlamaConfig", "DeltaLlamaForCausalLM", "DeltaLlamaModel"} <= set(ddl_hf.__all__)
+    exported = {"DeltaLlamaConfig", "DeltaLlamaForCausalLM", "DeltaLlamaModel", "convert_llama", "export_to_llama"}
+    assert exported <= set(ddl_hf.__all__)
