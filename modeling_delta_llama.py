@@ -155,7 +155,8 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         delta_context: DeltaConvContext | None = None,
         **kwargs,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
         key = f"layers.{self.layer_idx}"
         normed = self.input_layernorm(self.attn_delta.read(hidden_states, delta_context, f"{key}.attn"))
         attn_output, _ = self.self_attn(
@@ -167,11 +168,11 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states, _ = self.attn_delta(hidden_states, normed, attn_output)
+        hidden_states, attn_beta = self.attn_delta(hidden_states, normed, attn_output)
 
         normed = self.post_attention_layernorm(self.mlp_delta.read(hidden_states, delta_context, f"{key}.mlp"))
-        hidden_states, _ = self.mlp_delta(hidden_states, normed, self.mlp(normed))
-        return hidden_states
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, normed, self.mlp(normed))
+        return hidden_states, attn_beta, mlp_beta
 
 
 DeltaLlamaModelOutput = _with_delta_outputs("DeltaLlamaModelOutput", BaseModelOutputWithPast)
@@ -192,7 +193,8 @@ class DeltaLlamaPreTrainedModel(DeltaGPTPreTrainedModel):
         "hidden_states": DeltaLlamaDecoderLayer,
         # The family's attention class differs per config: matched by its module name instead.
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
-        "betas": OutputRecorder(DeltaResidual, index=1),
+        # From the layer (hooked for hidden states anyway), not a hook on every Delta residual: see DeltaGPT's.
+        "betas": [OutputRecorder(DeltaLlamaDecoderLayer, index=1), OutputRecorder(DeltaLlamaDecoderLayer, index=2)],
     }
 
     @torch.no_grad()
@@ -277,6 +279,7 @@ class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
         """
         for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
             kwargs.pop(flag, None)
+        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `_hidden_states_contract`
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if input_ids is not None and input_ids.numel() and not torch.compiler.is_compiling():
@@ -341,7 +344,7 @@ class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
             hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
 
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            hidden_states = decoder_layer(
+            hidden_states, *_ = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.layer_types[i]],
                 position_embeddings=position_embeddings,
@@ -363,7 +366,7 @@ class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
             # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
-            expanded_states=(final_state,) if self.value_channels > 1 else None,
+            expanded_states=(final_state,) if hand_over_final_state else None,
         )
 
 

@@ -248,8 +248,10 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         expected = model(ids).logits
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is DeltaLlamaForCausalLM
+    # Not bit for bit: safetensors' mmap can leave a weight at another 64-byte alignment than the original, and the
+    # BLAS kernels then sum in another order (~1e-7 here); a wrong load would differ by far more.
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, expected)
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-5, atol=1e-6)
     torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
     script = (
         "import sys, torch\n"
@@ -259,7 +261,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "assert 'ddl_hf' not in type(model).__module__, type(model).__module__\n"
         "data = torch.load(sys.argv[1] + '/expected.pt')\n"
         "with torch.no_grad():\n"
-        "    assert torch.equal(model(data['ids']).logits, data['logits'])\n"
+        "    torch.testing.assert_close(model(data['ids']).logits, data['logits'], rtol=1e-5, atol=1e-6)\n"
         "print('OK', type(model).__name__)\n"
     )
     result = subprocess.run(
