@@ -355,3 +355,13 @@ def test_trainer_step_moves_delta_parameters(tmp_path):
 def test_package_exports():
     exported = {"DeltaLlamaConfig", "DeltaLlamaForCausalLM", "DeltaLlamaModel", "convert_llama", "export_to_llama"}
     assert exported <= set(ddl_hf.__all__)
+
+
+def test_cli_convert_of_a_llama_family_checkpoint_points_to_convert_llama(tmp_path, capsys):
+    from ddl_hf import cli
+
+    build_source("mistral").save_pretrained(tmp_path / "source")
+    code = cli.main(["convert", "--quiet", "--source", str(tmp_path / "source"), "--output", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert code != 0 and "mistral checkpoint" in error and "ddl_hf.convert_llama(" in error
+    assert not (tmp_path / "out").exists()
