@@ -202,9 +202,11 @@ def main() -> None:
         return child(args.child[0], int(args.child[1]))
     if shutil.which("valgrind") is None:
         sys.exit("error: valgrind is not on PATH; install it (e.g. `apt-get install valgrind`) to count instructions")
+    import torch
     from bench_overhead import SHAPES
     from tqdm.auto import tqdm
 
+    torch.set_num_threads(1)  # as in the counted processes, so that the provenance says so
     prov = provenance()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
