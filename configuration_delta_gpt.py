@@ -5,6 +5,7 @@ Self-contained Hub custom-code file: it imports only transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -36,7 +37,93 @@ AUTO_MAP = {
 }
 
 
-class DeltaGPTConfig(GPT2Config):
+@dataclasses.dataclass(kw_only=True)
+class DeltaResidualConfigMixin:
+    """The Delta residual's config fields and their validation, shared by every Delta model's config (DeltaGPTConfig,
+    DeltaLlamaConfig): one definition, so a field or a check added here holds for both. The fields are documented in
+    `DeltaGPTConfig`'s docstring. A dataclass, so that transformers' config dataclasses inherit its fields."""
+
+    delta_mode: str = "additive"
+    delta_value_channels: int = 1
+    delta_beta_init: float | None = None
+    delta_init: str | None = None
+    delta_state_read: str = "linear"
+    delta_embed_expand: str = "repeat"
+    delta_conv_size: int = 4
+    delta_value: str = "linear"
+    delta_value_constant: float = 2.0
+    delta_erase: bool = True
+    delta_gate: str = "linear"
+    delta_gate_hidden_size: int = 64
+    delta_eps: float = 1e-6
+
+    def _delta_fail(self, field: str, allowed: str) -> None:
+        raise ValueError(f"{type(self).__name__}.{field}={getattr(self, field)!r} is invalid: {allowed}.")
+
+    def validate_delta_residual(self) -> None:
+        """The residual's fields: a ValueError naming the field, the value and what is allowed."""
+        fail = self._delta_fail
+        if self.delta_mode not in DELTA_MODES:
+            fail("delta_mode", f"expected one of {DELTA_MODES}")
+        if isinstance(self.delta_value_channels, bool) or not isinstance(self.delta_value_channels, int):
+            fail("delta_value_channels", "expected an integer >= 1")
+        if self.delta_value_channels < 1:
+            fail("delta_value_channels", "expected an integer >= 1")
+        if self.delta_beta_init is not None and (
+            isinstance(self.delta_beta_init, bool)
+            or not isinstance(self.delta_beta_init, (int, float))
+            or not 0.0 <= self.delta_beta_init <= 2.0
+        ):
+            fail(
+                "delta_beta_init",
+                "expected a number in [0, 2] (0 = identity/source model, 1 = projection, 2 = reflection), "
+                "or None for the delta_init scheme's value",
+            )
+        if self.delta_init is not None and self.delta_init not in DELTA_INITS:
+            fail("delta_init", f"expected None (auto) or one of {DELTA_INITS}")
+        if self.delta_gate not in DELTA_GATES:
+            fail("delta_gate", f"expected one of {DELTA_GATES}")
+        if isinstance(self.delta_gate_hidden_size, bool) or not isinstance(self.delta_gate_hidden_size, int):
+            fail("delta_gate_hidden_size", "expected an integer >= 1")
+        if self.delta_gate_hidden_size < 1:
+            fail("delta_gate_hidden_size", "expected an integer >= 1")
+        if not isinstance(self.delta_eps, (int, float)) or not (self.delta_eps > 0 and math.isfinite(self.delta_eps)):
+            fail("delta_eps", "expected a finite number > 0")
+        self.validate_variants()
+
+    def validate_variants(self) -> None:
+        """The paper's variants (docs/variants.md): a ValueError naming the field, the value and what is allowed."""
+        fail = self._delta_fail
+        value_channels = self.delta_value_channels
+        if self.delta_state_read not in DELTA_STATE_READS:
+            fail("delta_state_read", f"expected one of {DELTA_STATE_READS}")
+        if self.delta_embed_expand not in DELTA_EMBED_EXPANDS:
+            fail("delta_embed_expand", f"expected one of {DELTA_EMBED_EXPANDS}")
+        size = self.delta_conv_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            fail("delta_conv_size", "expected an integer >= 1")
+        if self.delta_state_read == "channel_conv":
+            if value_channels < 2:
+                fail("delta_state_read", "'channel_conv' mixes value channels: needs delta_value_channels > 1")
+            if size > value_channels:
+                fail("delta_conv_size", f"expected <= delta_value_channels={value_channels} for 'channel_conv'")
+        if self.delta_embed_expand == "conv" and value_channels < 2:
+            fail("delta_embed_expand", "'conv' fills the value channels: needs delta_value_channels > 1")
+        if self.delta_value not in DELTA_VALUES:
+            fail("delta_value", f"expected one of {DELTA_VALUES}")
+        constant = self.delta_value_constant
+        if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
+            fail("delta_value_constant", "expected a finite number")
+        if not isinstance(self.delta_erase, bool):
+            fail("delta_erase", "expected True (erase and write) or False (write-only: X' = X + beta k v^T)")
+
+    @property
+    def delta_temporal(self) -> bool:
+        """Whether a variant convolves over tokens, so that generation must cache recent states or embeddings."""
+        return self.delta_state_read == "temporal_conv" or self.delta_embed_expand == "conv"
+
+
+class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
     r"""
     Configuration of a DeltaGPT model: every GPT-2 field under GPT-2's name, plus the Delta residual.
 
@@ -115,19 +202,7 @@ class DeltaGPTConfig(GPT2Config):
 
     model_type = "delta_gpt"
 
-    delta_mode: str = "additive"
-    delta_value_channels: int = 1
-    delta_beta_init: float | None = None
-    delta_init: str | None = None
-    delta_state_read: str = "linear"
-    delta_embed_expand: str = "repeat"
-    delta_conv_size: int = 4
-    delta_value: str = "linear"
-    delta_value_constant: float = 2.0
-    delta_erase: bool = True
-    delta_gate: str = "linear"
-    delta_gate_hidden_size: int = 64
-    delta_eps: float = 1e-6
+    # The Delta residual's fields (delta_mode ... delta_eps) come from DeltaResidualConfigMixin.
     token_mixer: str = "attention"
     delta_net_heads: int | None = None
     delta_net_head_dim: int | None = None
@@ -156,74 +231,10 @@ class DeltaGPTConfig(GPT2Config):
 
     def validate_delta(self) -> None:
         """Raise a ValueError naming the field, the value and what is allowed."""
-
-        def fail(field: str, allowed: str) -> None:
-            raise ValueError(f"DeltaGPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
-
-        if self.delta_mode not in DELTA_MODES:
-            fail("delta_mode", f"expected one of {DELTA_MODES}")
-        if isinstance(self.delta_value_channels, bool) or not isinstance(self.delta_value_channels, int):
-            fail("delta_value_channels", "expected an integer >= 1")
-        if self.delta_value_channels < 1:
-            fail("delta_value_channels", "expected an integer >= 1")
-        if self.delta_beta_init is not None and (
-            isinstance(self.delta_beta_init, bool)
-            or not isinstance(self.delta_beta_init, (int, float))
-            or not 0.0 <= self.delta_beta_init <= 2.0
-        ):
-            fail(
-                "delta_beta_init",
-                "expected a number in [0, 2] (0 = identity/GPT-2, 1 = projection, 2 = reflection), "
-                "or None for the delta_init scheme's value",
-            )
-        if self.delta_init is not None and self.delta_init not in DELTA_INITS:
-            fail("delta_init", f"expected None (auto) or one of {DELTA_INITS}")
-        if self.delta_gate not in DELTA_GATES:
-            fail("delta_gate", f"expected one of {DELTA_GATES}")
-        if isinstance(self.delta_gate_hidden_size, bool) or not isinstance(self.delta_gate_hidden_size, int):
-            fail("delta_gate_hidden_size", "expected an integer >= 1")
-        if self.delta_gate_hidden_size < 1:
-            fail("delta_gate_hidden_size", "expected an integer >= 1")
-        if not isinstance(self.delta_eps, (int, float)) or not (self.delta_eps > 0 and math.isfinite(self.delta_eps)):
-            fail("delta_eps", "expected a finite number > 0")
-        self.validate_variants()
+        self.validate_delta_residual()
         if self.add_cross_attention:
-            fail("add_cross_attention", "DeltaGPT is a decoder-only model; cross-attention is not supported")
+            self._delta_fail("add_cross_attention", "DeltaGPT is decoder-only; cross-attention is not supported")
         self.validate_token_mixer()
-
-    def validate_variants(self) -> None:
-        """The paper's variants (docs/variants.md): a ValueError naming the field, the value and what is allowed."""
-
-        def fail(field: str, allowed: str) -> None:
-            raise ValueError(f"DeltaGPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
-
-        value_channels = self.delta_value_channels
-        if self.delta_state_read not in DELTA_STATE_READS:
-            fail("delta_state_read", f"expected one of {DELTA_STATE_READS}")
-        if self.delta_embed_expand not in DELTA_EMBED_EXPANDS:
-            fail("delta_embed_expand", f"expected one of {DELTA_EMBED_EXPANDS}")
-        size = self.delta_conv_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            fail("delta_conv_size", "expected an integer >= 1")
-        if self.delta_state_read == "channel_conv":
-            if value_channels < 2:
-                fail("delta_state_read", "'channel_conv' mixes value channels: needs delta_value_channels > 1")
-            if size > value_channels:
-                fail("delta_conv_size", f"expected <= delta_value_channels={value_channels} for 'channel_conv'")
-        if self.delta_embed_expand == "conv" and value_channels < 2:
-            fail("delta_embed_expand", "'conv' fills the value channels: needs delta_value_channels > 1")
-        if self.delta_value not in DELTA_VALUES:
-            fail("delta_value", f"expected one of {DELTA_VALUES}")
-        constant = self.delta_value_constant
-        if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
-            fail("delta_value_constant", "expected a finite number")
-        if not isinstance(self.delta_erase, bool):
-            fail("delta_erase", "expected True (erase and write) or False (write-only: X' = X + beta k v^T)")
-
-    @property
-    def delta_temporal(self) -> bool:
-        """Whether a variant convolves over tokens, so that generation must cache recent states or embeddings."""
-        return self.delta_state_read == "temporal_conv" or self.delta_embed_expand == "conv"
 
     @property
     def layer_types(self) -> list[str]:
@@ -272,4 +283,4 @@ class DeltaGPTConfig(GPT2Config):
             fail("delta_net_chunk_size", "expected an integer >= 1")
 
 
-__all__ = ["DeltaGPTConfig"]
+__all__ = ["DeltaGPTConfig", "DeltaResidualConfigMixin"]

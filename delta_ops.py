@@ -56,21 +56,54 @@ def delta_update(
     return new_state if expanded else new_state.squeeze(-1)
 
 
+_WIDE_FLOATS = (torch.float32, torch.float64)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the Delta math: float32 for half precision; float32 and float64 stay (float64 for gradcheck)."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return dtype if dtype in _WIDE_FLOATS else torch.float32
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """`x` in `compute_dtype`: half precision upcast to float32, float32 and float64 unchanged."""
-    dtype = compute_dtype(x.dtype)
-    return x if x.dtype == dtype else x.to(dtype)
+    return x if x.dtype in _WIDE_FLOATS else x.to(torch.float32)
 
 
 def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
     """k = h / sqrt(|h|^2 + eps^2) in float32: unit norm for any non-negligible h, and 0 (no-op) for h = 0."""
     h = at_least_float32(h)
     return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
+
+
+def constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a 0-dim tensor of `like`'s dtype and device, made once and reused.
+
+    `x + 1.0` wraps the Python float into a fresh tensor on every call: on a decode-sized tensor that costs as much
+    as the op itself (~2 µs on CPU). A 0-dim operand of the same dtype gives the same bits (TensorIterator casts a
+    Python float to the op's dtype too). Made outside inference mode, so that autograd may use it later; never
+    written to. While torch.compile / export traces a function that has not run eagerly, a fresh tensor (a graph
+    constant).
+    """
+    key = (value, like.dtype, like.device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        if torch.compiler.is_compiling():
+            return torch.full((), value, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):
+            tensor = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return tensor
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def delta_gate(logit: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """beta = 2 sigmoid(g) rho, the gate of every Delta residual (shaped like the logit, `[..., 1]`).
+
+    `addcmul(0, sigmoid(g), rho, value=2)`: one op for `sigmoid(g) * (rho + rho)`, same bits (the factor 2 is
+    exact in any order), no Python-scalar operand.
+    """
+    return torch.addcmul(constant(0.0, rho), torch.sigmoid(logit), rho, value=2.0)
 
 
 def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -125,17 +158,21 @@ def _fused_delta_forward(
     erase: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The new state, r `[..., 1]` and h^T X `[..., d_v]` (None without erase; the last two are saved for the
-    backward)."""
+    backward).
+
+    Written for the fewest dispatches, because decoding one token is all dispatch: constants as 0-dim tensors
+    (`constant`), `+ 1` folded into an addcmul, about 10 ops in all (d_v = 1).
+    """
     hf = at_least_float32(h)
-    r = torch.rsqrt((hf * hf).sum(-1, keepdim=True) + eps * eps)
+    r = torch.rsqrt(_dot(hf, hf) + constant(eps * eps, hf))
+    rb = r * (beta if beta.dim() == h.dim() else beta.unsqueeze(-1))
     if erase:
         hx = _dot(hf, at_least_float32(state))
-        scale = (r * beta.unsqueeze(-1)) * torch.addcmul(value, r, hx, value=-1.0)  # r beta (v - k^T X)
+        coefficient = torch.addcmul(value, r, hx, value=-1.0)  # v - k^T X
     else:
-        hx = None
-        scale = (r * beta.unsqueeze(-1)) * value  # r beta v
-    if additive:
-        scale = scale + 1.0  # exactly 1 when beta == 0, so X' == X + h bit for bit
+        hx, coefficient = None, value
+    # r beta (v - k^T X), + 1 in additive mode: exactly 1 when beta == 0, so X' == X + h bit for bit.
+    scale = torch.addcmul(constant(1.0, rb), rb, coefficient) if additive else rb * coefficient
     out = torch.addcmul(state, *_outer(h, scale, state))
     out_dtype = torch.promote_types(state.dtype, h.dtype) if additive and h.dtype != state.dtype else state.dtype
     return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
@@ -157,7 +194,8 @@ class _FusedDeltaUpdate(torch.autograd.Function):
         state, h, beta, value, r, hx = ctx.saved_tensors
         erase = ctx.erase
         g, hf = at_least_float32(grad_out), at_least_float32(h)
-        b = beta.unsqueeze(-1)
+        keepdim = beta.dim() == h.dim()  # beta `[..., 1]` rather than `[...]`
+        b = beta if keepdim else beta.unsqueeze(-1)
         hg = _dot(hf, g)  # h^T g, so k^T g = r hg
         residual = value - r * hx if erase else value  # v - k^T X
         b_kg = b * r * hg  # beta k^T g = dL/dv
@@ -173,7 +211,7 @@ class _FusedDeltaUpdate(torch.autograd.Function):
             if erase:
                 grad_h = grad_h + _mix(at_least_float32(state), -r * b_kg)
             grad_h = grad_h.to(h.dtype)
-        grad_beta = (r * hg * residual).sum(-1) if ctx.needs_input_grad[2] else None
+        grad_beta = (r * hg * residual).sum(-1, keepdim=keepdim) if ctx.needs_input_grad[2] else None
         grad_value = b_kg if ctx.needs_input_grad[3] else None
         return grad_state, grad_h, grad_beta, grad_value, None, None, None
 
@@ -189,13 +227,15 @@ def fused_delta_update(
 ) -> torch.Tensor:
     """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
 
-    Under autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain
-    function (no node, fewest ops: what generation runs).
+    `beta` is `[...]`, or `[..., 1]` as `delta_gate` makes it (saves a reshape per call when decoding). Under
+    autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain function
+    (no node, fewest ops: what generation runs).
     """
-    tensors = (state, branch_output, beta, value)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _FusedDeltaUpdate.apply(*tensors, eps, additive, erase)
-    return _fused_delta_forward(*tensors, eps, additive, erase)[0]
+    if torch.is_grad_enabled() and (
+        state.requires_grad or branch_output.requires_grad or beta.requires_grad or value.requires_grad
+    ):
+        return _FusedDeltaUpdate.apply(state, branch_output, beta, value, eps, additive, erase)
+    return _fused_delta_forward(state, branch_output, beta, value, eps, additive, erase)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -504,6 +544,8 @@ def delta_rule_chunkwise(
 __all__ = [
     "channel_conv",
     "channel_conv_read_weight",
+    "constant",
+    "delta_gate",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",

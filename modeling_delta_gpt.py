@@ -45,6 +45,7 @@ from .delta_ops import (
     at_least_float32,
     channel_conv,
     channel_conv_read_weight,
+    delta_gate,
     delta_rule_chunkwise,
     delta_rule_recurrent,
     delta_update,
@@ -338,29 +339,76 @@ class DeltaResidual(nn.Module):
         self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the new state and beta `[batch, seq_len]`."""
-        with maybe_autocast(state.device.type, enabled=False):  # beta, v and k in float32 under autocast
-            dtype = self.beta_open.dtype  # the model's float dtype, also when a quantizer replaced the Linears
-            c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
-            opening = at_least_float32(self.beta_open)
-            # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
-            rho = (
-                straight_through_clamp(opening, 0.0, 1.0)
-                if torch.is_grad_enabled() and opening.requires_grad
-                else opening.clamp(0.0, 1.0)
-            )
-            # 2 rho as rho + rho: same bits as 2.0 * rho without wrapping a Python scalar (a dispatch per block).
-            beta = torch.sigmoid(at_least_float32(self.beta_proj(c)).squeeze(-1)) * (rho + rho)
-            if self.v_proj is not None:
-                value = at_least_float32(self.v_proj(c))
-            else:
-                value = beta.new_full((*beta.shape, self.value_channels), self.value_constant)
-            if self.fused:
-                new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
-            else:
-                k = unit_direction(branch_output, self.eps)
-                branch = branch_output if self.additive else None
-                new_state = delta_update(state, k, beta, value, branch, self.erase)
-        return new_state, beta
+        device_type = state.device.type
+        if device_type != "meta" and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):  # beta, v and k in float32 under autocast
+                return self._update(state, normed_input, branch_output)
+        return self._update(state, normed_input, branch_output)  # no autocast context to enter and leave
+
+    def _update(
+        self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Parameters and submodules straight from their dicts: `self.beta_open` misses the instance dict first,
+        # and CPython formats an AttributeError before nn.Module.__getattr__ finds it (~1 µs per lookup, and
+        # decoding is all such overhead). The same objects either way.
+        parameters, modules = self._parameters, self._modules
+        opening = parameters["beta_open"]
+        dtype = opening.dtype  # the model's float dtype, also when a quantizer replaced the Linears
+        c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
+        opening = at_least_float32(opening)
+        # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
+        rho = (
+            straight_through_clamp(opening, 0.0, 1.0)
+            if torch.is_grad_enabled() and opening.requires_grad
+            else opening.clamp(0.0, 1.0)
+        )
+        beta = delta_gate(at_least_float32(_linear(modules["beta_proj"], c)), rho)  # [..., 1]
+        v_proj = modules.get("v_proj")  # None for the constant value (then an instance attribute)
+        if v_proj is not None:
+            value = at_least_float32(_linear(v_proj, c))
+        else:
+            value = beta.new_full((*beta.shape[:-1], self.value_channels), self.value_constant)
+        if self.fused:
+            new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
+            return new_state, beta.squeeze(-1)
+        beta = beta.squeeze(-1)
+        k = unit_direction(branch_output, self.eps)
+        branch = branch_output if self.additive else None
+        return delta_update(state, k, beta, value, branch, self.erase), beta
+
+
+# torch's registries of global module hooks (`register_module_forward_hook`, ...): dicts filled and emptied in place.
+_GLOBAL_MODULE_HOOKS = tuple(
+    getattr(torch.nn.modules.module, name, {})
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+)
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`, calling `F.linear` directly where that is exactly what the call would do.
+
+    nn.Module's call machinery costs about as much as the D -> 1 matvec itself when decoding one token (~5 µs on
+    CPU), and every Delta residual makes two such calls. It is skipped only for a plain `nn.Linear` that nothing
+    hooks or wraps; a subclass or replacement (dynamic quantization, LoRA), a hook of the module or a global one
+    (DeepSpeed, pruning), a patched `forward` (accelerate offload) or `module.compile()` take the ordinary call.
+    """
+    if type(module) is nn.Linear and not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or any(_GLOBAL_MODULE_HOOKS)
+    ):
+        attributes = module.__dict__  # dict lookups: a miss on the module itself costs an AttributeError
+        if "forward" not in attributes and attributes.get("_compiled_call_impl") is None:
+            parameters = attributes["_parameters"]
+            return nn.functional.linear(x, parameters["weight"], parameters["bias"])
+    return module(x)
 
 
 class DeltaNetCacheLayer(LinearAttentionLayer):
@@ -645,8 +693,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         use_cache: bool | None = False,
         delta_context: DeltaConvContext | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        normed = self.ln_1(self.attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
+        attn_delta, mlp_delta = self.attn_delta, self.mlp_delta
+        normed = self.ln_1(attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
         if isinstance(self.attn, DeltaNetAttention) and delta_context is not None:
             kwargs["document_starts"] = delta_context.document_starts  # attention reads documents from its mask
         attn_output, _ = self.attn(
@@ -656,11 +706,11 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states, _ = self.attn_delta(hidden_states, normed, attn_output)
+        hidden_states, attn_beta = attn_delta(hidden_states, normed, attn_output)
 
-        normed = self.ln_2(self.mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
-        hidden_states, _ = self.mlp_delta(hidden_states, normed, self.mlp(normed))
-        return hidden_states
+        normed = self.ln_2(mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
+        hidden_states, mlp_beta = mlp_delta(hidden_states, normed, self.mlp(normed))
+        return hidden_states, attn_beta, mlp_beta
 
 
 def _with_delta_outputs(name: str, output_class: type) -> type:
@@ -701,11 +751,13 @@ def _hidden_states_contract(forward):
         want_expanded = bool(kwargs.pop("output_expanded_states", False))
         if self.value_channels == 1:
             return forward(self, *args, **kwargs)
-        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         want_hidden = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        if not (want_expanded or want_hidden):
+            return forward(self, *args, **kwargs)  # nothing to replace (generation: no output rebuilt per token)
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         if want_expanded:
             kwargs["output_hidden_states"] = True
-        outputs = forward(self, *args, return_dict=True, **kwargs)
+        outputs = forward(self, *args, return_dict=True, _hand_over_final_state=True, **kwargs)
         (final_state,) = outputs.expanded_states  # the forward hands the last state over here
         states = outputs.hidden_states  # the expanded states, the last one tied to `last_hidden_state`
         fields = {key: value for key, value in outputs.items() if key not in ("hidden_states", "expanded_states")}
@@ -743,7 +795,9 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "hidden_states": DeltaGPTBlock,
         "attentions": OutputRecorder(GPT2Attention, layer_name=".attn", index=1),
-        "betas": OutputRecorder(DeltaResidual, index=1),
+        # From the block, which is hooked for hidden states anyway: a hook on every Delta residual would put each
+        # of their calls on nn.Module's slow path (about as costly as the call itself when decoding).
+        "betas": [OutputRecorder(DeltaGPTBlock, index=1), OutputRecorder(DeltaGPTBlock, index=2)],
     }
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
 
@@ -919,6 +973,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
         """
         for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
             kwargs.pop(flag, None)
+        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `_hidden_states_contract`
 
         if input_ids is not None and inputs_embeds is not None:
             raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
@@ -999,7 +1054,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
 
         for block in self.h:
-            hidden_states = block(
+            hidden_states, *_ = block(
                 hidden_states,
                 past_key_values if not checkpointing else None,
                 causal_mask,
@@ -1022,7 +1077,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
             # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
-            expanded_states=(final_state,) if self.value_channels > 1 else None,
+            expanded_states=(final_state,) if hand_over_final_state else None,
         )
 
     def _check_read_out_placement(self, inputs: torch.Tensor) -> None:
@@ -1056,14 +1111,18 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 f"Truncate the input (e.g. tokenizer(..., truncation=True, max_length={n_positions}))."
             )
         if position_ids is not None and position_ids.numel():
-            highest = int(position_ids.max())  # generation passes position_ids: one host transfer per step
+            # generation passes position_ids: one host transfer per step (no reduction for a single token)
+            highest = int(position_ids) if position_ids.numel() == 1 else int(position_ids.max())
             if highest >= n_positions:
                 raise ValueError(
                     f"position_ids reach {highest}, but the model has n_positions={n_positions}; "
                     "truncate the input or pass smaller position_ids."
                 )
         if input_ids is not None and input_ids.numel():
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
+            if input_ids.numel() == 1:  # decoding one sequence: one host read, no reduction
+                low = high = int(input_ids)
+            else:
+                low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(
                     f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) "

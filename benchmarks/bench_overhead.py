@@ -13,14 +13,21 @@ before a step, plus the maximum of the running sum of every allocation and free 
 `torch.profiler(profile_memory=True)` during one full training step (forward, backward, AdamW). It counts tensor
 memory only (no Python heap, no malloc fragmentation), which is what the Delta blocks can change.
 
-    python benchmarks/bench_overhead.py            # full run (GPT-2-small shape; ~10-15 min on 2 CPU cores)
-    python benchmarks/bench_overhead.py --quick    # tiny shape only, under a minute
-    python benchmarks/bench_overhead.py --quick --paper-variants   # + one row per paper variant (docs/variants.md)
+Compiled rows (`--compiled`): both models under `torch.compile(fullgraph=True)` (inductor): the training step
+(compiled forward and backward, eager AdamW) and static-cache decoding with transformers' compiled decoding step
+(`cache_implementation="static"`, `CompileConfig(fullgraph=True)`); compilation is done in the warm-up and not
+timed. `fullgraph=True` makes any graph break in a Delta block an error.
+
+    python benchmarks/bench_overhead.py            # full run: small + GPT-2-small shapes, variant and compiled rows
+    python benchmarks/bench_overhead.py --quick    # tiny shape, base rows only, a minute or two
+    python benchmarks/bench_overhead.py --quick --shapes small --no-paper-variants   # one shape, for iteration
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import sys
 import time
@@ -29,7 +36,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,10 +46,24 @@ from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
+    # The small models people train to try an architecture out (a from-scratch study: a small BPE vocabulary).
+    "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, batch=8, seq=256, memory_batch=8),
     # Training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
 }
 DELTA_VARIANTS = [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
+# Compiled rows (both models compiled): the goal is stated at d_v = 1; d_v = 4 paper for reference.
+COMPILED_VARIANTS = [(1, "additive"), (1, "paper"), (4, "paper")]
+# Issue 13's goals, DeltaGPT / GPT-2 of the same run: (shape, metric) -> {d_v: largest ratio}.
+GOALS = {
+    ("gpt2-small", "generation_b1"): {1: 1.03, 4: 1.10},
+    ("gpt2-small", "train_step"): {1: 1.03, 4: 1.20},
+    ("gpt2-small", "peak_train_memory"): {1: 1.03, 4: 1.15},
+    ("small", "generation_b1"): {1: 1.10, 4: 1.20},
+    ("small", "train_step"): {1: 1.10, 4: 1.25},
+    ("small", "peak_train_memory"): {1: 1.05, 4: 1.15},
+}
+COMPILED_GOAL = {1: 1.03}
 # The paper's variants (docs/variants.md), in paper mode as the reference code trains them: (d_v, name, fields).
 PAPER_VARIANTS = [
     (1, "constant v", dict(delta_value="constant")),
@@ -163,16 +184,25 @@ def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in param_ptrs:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
+    storages = []  # alive until the forward is done, so that no address is reused for another saved tensor
+
+    def pack(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_ptrs:
+            saved[storage.data_ptr()] = storage.nbytes()
+            storages.append(storage)
+        # The graph is never run backward, so the hook keeps storages, not tensors. Returning `t` itself leaked the
+        # whole graph (~0.5 GB per call at the small shape): a saved output refers to its own grad_fn, a cycle that
+        # Python's gc cannot see.
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("saved_activation_bytes measures a forward only; its graph cannot run backward")
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         loss = model(input_ids=ids, labels=ids).loss
     del loss
+    storages.clear()
     return sum(saved.values())
 
 
@@ -180,8 +210,16 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def generate_fn(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+def generate_fn(
+    model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, compiled: bool = False
+) -> Callable[[], None]:
+    """Greedy `generate` with the KV cache; `compiled`: static cache and transformers' compiled decoding step."""
     mask = torch.ones_like(prompt)
+    extra = {}
+    if compiled:
+        compile_config = CompileConfig(fullgraph=True, mode="default")
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless asked
+        extra = dict(cache_implementation="static", compile_config=compile_config)
 
     def run() -> None:
         with torch.inference_mode():
@@ -192,6 +230,7 @@ def generate_fn(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **extra,
             )
         assert out.shape[1] == prompt.shape[1] + new_tokens
 
@@ -245,11 +284,80 @@ def bench_variant(
     for batch in (1, 8):
         prompt = torch.randint(0, shape["vocab_size"], (batch, 16), generator=g)
         result = interleaved(generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs)
-        result["new_tokens"] = gen_tokens
-        result["gpt2_tokens_per_s"] = batch * gen_tokens / result["gpt2_s"]
-        result["delta_tokens_per_s"] = batch * gen_tokens / result["delta_s"]
-        row[f"generation_b{batch}"] = result
+        row[f"generation_b{batch}"] = with_tokens_per_s(result, batch, gen_tokens)
     return row
+
+
+def with_tokens_per_s(result: dict, batch: int, new_tokens: int) -> dict:
+    result["new_tokens"] = new_tokens
+    result["gpt2_tokens_per_s"] = batch * new_tokens / result["gpt2_s"]
+    result["delta_tokens_per_s"] = batch * new_tokens / result["delta_s"]
+    return result
+
+
+def bench_compiled(
+    shape_name: str, value_channels: int, mode: str, pairs: int, gen_pairs: int, gen_tokens: int
+) -> dict:
+    """Both models compiled (inductor, fullgraph): the training step and static-cache decoding at batch 1.
+
+    The first calls compile (several per model: the training graph, then decoding); they are the warm-up and
+    are not timed. Eager AdamW in both, so the ratio is that of the compiled forward and backward.
+    """
+    shape = SHAPES[shape_name]
+    gpt2, delta = build_pair(shape, value_channels, mode)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+    row = {"shape": shape_name, **shape, "d_v": value_channels, "mode": mode, "torch_threads": torch.get_num_threads()}
+    row["variant"], row["fields"], row["compiled"] = "", {}, True
+    for model in (gpt2, delta):
+        # transformers resolves the loss through a property that logs (a graph break) when `loss_type` is unset.
+        model.loss_type = "ForCausalLM"
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    compiled_a, compiled_b = (torch.compile(m, fullgraph=True) for m in (gpt2, delta))
+    step_a, opt_a = train_step_fn(compiled_a, ids, torch.optim.AdamW(gpt2.parameters(), lr=1e-4))
+    step_b, opt_b = train_step_fn(compiled_b, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
+    row["train_step"] = interleaved(step_a, step_b, pairs, warmup=2)
+    del step_a, step_b, opt_a, opt_b, compiled_a, compiled_b
+    for model in (gpt2, delta):
+        model.eval()
+        for p in model.parameters():
+            p.grad = None
+    prompt = torch.randint(0, shape["vocab_size"], (1, 16), generator=g)
+    run_a, run_b = (generate_fn(m, prompt, gen_tokens, compiled=True) for m in (gpt2, delta))
+    row["generation_b1"] = with_tokens_per_s(interleaved(run_a, run_b, gen_pairs, warmup=2), 1, gen_tokens)
+    row["wall_s_including_compilation"] = time.perf_counter() - start
+    torch._dynamo.reset()
+    return row
+
+
+def shape_label(r: dict) -> str:
+    return f"{r['shape']} (L{r['n_layer']} D{r['n_embd']} T{r['seq']} B{r['batch']}, memory B{r['memory_batch']})"
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Issue 13's goals against this run's ratios: one line per (shape, metric, d_v), additive / paper."""
+    lines = ["| shape | metric | d_v | goal | additive | paper | met |", "|---|---|---|---|---|---|---|"]
+    base = [r for r in rows if not r.get("variant") and not r.get("compiled")]
+    compiled = [r for r in rows if r.get("compiled")]
+    checks = [
+        (shape, metric, d_v, goal, base) for (shape, metric), goals in GOALS.items() for d_v, goal in goals.items()
+    ]
+    checks += [
+        (shape, "compiled_" + metric, d_v, goal, compiled)
+        for shape in dict.fromkeys(shape for shape, _ in GOALS)  # the goal shapes, in order
+        for metric in ("train_step", "generation_b1")
+        for d_v, goal in COMPILED_GOAL.items()
+    ]
+    for shape, metric, d_v, goal, pool in checks:
+        key = metric.removeprefix("compiled_")
+        found = {r["mode"]: r[key]["ratio"] for r in pool if r["shape"] == shape and r["d_v"] == d_v and key in r}
+        if not found:
+            continue
+        cells = [f"{found[m]:.3f}" if m in found else "-" for m in ("additive", "paper")]
+        met = "yes" if all(v <= goal for v in found.values()) else "**no**"
+        lines.append(f"| {shape} | {metric} | {d_v} | ≤ {goal:.2f} | {cells[0]} | {cells[1]} | {met} |")
+    return lines if len(lines) > 2 else []
 
 
 def markdown(results: dict) -> str:
@@ -261,9 +369,11 @@ def markdown(results: dict) -> str:
         "| peak train mem | saved activations | params |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results["rows"]:
+    eager = [r for r in results["rows"] if not r.get("compiled")]
+    compiled = [r for r in results["rows"] if r.get("compiled")]
+    for r in eager:
         lines.append(
-            f"| {r['shape']} (L{r['n_layer']} D{r['n_embd']} T{r['seq']} B{r['batch']}, memory B{r['memory_batch']}) "
+            f"| {shape_label(r)} "
             f"| {r['d_v']} | {r['mode']} | {r.get('variant') or '-'} "
             f"| {r['train_step']['ratio']:.3f} | {r['inference_forward']['ratio']:.3f} "
             f"| {r['generation_b1']['ratio']:.3f} | {r['generation_b8']['ratio']:.3f} "
@@ -275,7 +385,7 @@ def markdown(results: dict) -> str:
         "| shape | d_v | mode | variant | train step s | inference fwd s | gen b=1 tok/s | gen b=8 tok/s | peak MB |"
     ]
     lines += ["|---|---|---|---|---|---|---|---|---|"]
-    for r in results["rows"]:
+    for r in eager:
         t, f, g1, g8, m = (
             r["train_step"],
             r["inference_forward"],
@@ -291,45 +401,95 @@ def markdown(results: dict) -> str:
             f"| {g8['gpt2_tokens_per_s']:.1f} → {g8['delta_tokens_per_s']:.1f} "
             f"| {m['gpt2_bytes'] / 2**20:.0f} → {m['delta_bytes'] / 2**20:.0f} |"
         )
+    if compiled:
+        lines += [
+            "",
+            "Compiled (`torch.compile(fullgraph=True)`, inductor, both models; compilation not timed): training step "
+            "(compiled forward + backward, eager AdamW) and static-cache decoding at batch 1 (transformers' compiled "
+            "decoding step; time per token, prefill included). Ratio (GPT-2 → DeltaGPT medians):",
+            "",
+            "| shape | d_v | mode | train step | gen/token b=1 | train step s | gen b=1 tok/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in compiled:
+            t, g1 = r["train_step"], r["generation_b1"]
+            lines.append(
+                f"| {shape_label(r)} | {r['d_v']} | {r['mode']} | {t['ratio']:.3f} | {g1['ratio']:.3f} "
+                f"| {t['gpt2_s']:.3f} → {t['delta_s']:.3f} "
+                f"| {g1['gpt2_tokens_per_s']:.1f} → {g1['delta_tokens_per_s']:.1f} |"
+            )
+    goals = goal_lines(results["rows"])
+    if goals:
+        lines += ["", "Goals (issue 13), this run's median ratios:", "", *goals]
     return "\n".join(lines) + "\n"
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now (Linux), to see that rows do not accumulate; 0 where unknown."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shape only (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="tiny shape, fewer pairs, base rows only")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="override the shapes to run")
     parser.add_argument("--pairs", type=int, help="timed A/B pairs per metric")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is per process)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", default=None, help="basename of the result files")
     parser.add_argument(
-        "--paper-variants", action="store_true", help="add one paper-mode row per variant of docs/variants.md"
+        "--paper-variants",
+        action=argparse.BooleanOptionalAction,
+        help="one paper-mode row per variant of docs/variants.md (default: on, off with --quick)",
+    )
+    parser.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        help="rows with both models under torch.compile (default: on, off with --quick)",
     )
     parser.add_argument("--skip-additive", action="store_true", help="leave out the additive-mode rows")
+    parser.add_argument("--skip-eager", action="store_true", help="only the compiled rows")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
 
-    shapes = args.shapes or (["tiny"] if args.quick else ["tiny", "gpt2-small"])
+    shapes = args.shapes or (["tiny"] if args.quick else ["small", "gpt2-small"])
+    paper_variants = not args.quick if args.paper_variants is None else args.paper_variants
+    with_compiled = not args.quick if args.compiled is None else args.compiled
     results = {"provenance": provenance(), "quick": args.quick, "rows": []}
     name = args.name or ("overhead_quick" if args.quick else "overhead")
     for shape_name in shapes:
-        small = shape_name == "tiny"
-        pairs = args.pairs or (25 if args.quick else (9 if small else 5))
-        gen_pairs = args.pairs or (15 if args.quick else (6 if small else 3))
-        gen_tokens = 16 if args.quick else (32 if small else 24)
+        large = shape_name == "gpt2-small"
+        pairs = args.pairs or (25 if args.quick else (5 if large else 9))
+        gen_pairs = args.pairs or (15 if args.quick else (3 if large else 6))
+        gen_tokens = 16 if args.quick else (24 if large else 32)
         runs = [(d_v, mode, "", {}) for d_v, mode in DELTA_VARIANTS if not (args.skip_additive and mode == "additive")]
-        if args.paper_variants:
-            runs += [(d_v, "paper", name, fields) for d_v, name, fields in PAPER_VARIANTS]
-        for value_channels, mode, variant, fields in runs:
+        if paper_variants:
+            runs += [(d_v, "paper", variant, fields) for d_v, variant, fields in PAPER_VARIANTS]
+        jobs = [] if args.skip_eager else [(False, *run) for run in runs]
+        if with_compiled:
+            jobs += [(True, d_v, mode, "", {}) for d_v, mode in COMPILED_VARIANTS]
+        for compiled, value_channels, mode, variant, fields in jobs:
             start = time.perf_counter()
-            row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens, variant, fields)
+            if compiled:
+                row = bench_compiled(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens)
+                summary = f"train {row['train_step']['ratio']:.3f} gen1 {row['generation_b1']['ratio']:.3f}"
+            else:
+                row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens, variant, fields)
+                summary = (
+                    f"train {row['train_step']['ratio']:.3f} fwd {row['inference_forward']['ratio']:.3f} "
+                    f"gen1 {row['generation_b1']['ratio']:.3f} gen8 {row['generation_b8']['ratio']:.3f} "
+                    f"mem {row['peak_train_memory']['ratio']:.3f} params {row['params']['ratio']:.5f}"
+                )
             results["rows"].append(row)
+            gc.collect()  # the two models of a row hold reference cycles (hooks); free them before the next row
+            label = "compiled" if compiled else variant
             print(
-                f"{shape_name:10s} d_v={value_channels} {mode:8s} {variant:10s} train {row['train_step']['ratio']:.3f} "
-                f"fwd {row['inference_forward']['ratio']:.3f} gen1 {row['generation_b1']['ratio']:.3f} "
-                f"gen8 {row['generation_b8']['ratio']:.3f} mem {row['peak_train_memory']['ratio']:.3f} "
-                f"params {row['params']['ratio']:.5f}  ({time.perf_counter() - start:.0f}s)",
+                f"{shape_name:10s} d_v={value_channels} {mode:8s} {label:10s} {summary}  "
+                f"({time.perf_counter() - start:.0f}s, rss {rss_mb():.0f} MB)",
                 flush=True,
             )
             # Written after every row, so that a long run stopped early keeps what it measured.

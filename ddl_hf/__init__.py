@@ -16,14 +16,17 @@ from transformers import (
 )
 
 from .configuration_delta_gpt import DeltaGPTConfig
+from .configuration_delta_llama import DeltaLlamaConfig
 from .conversion import (
     ConversionError,
     EquivalenceReport,
     beta_upper_bounds,
     convert_checkpoint,
     convert_gpt2,
+    convert_llama,
     equivalence_report,
     export_to_gpt2,
+    export_to_llama,
     push_converted_to_hub,
 )
 from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
@@ -38,6 +41,7 @@ from .modeling_delta_gpt import (
     DeltaResidual,
     DeltaStateCache,
 )
+from .modeling_delta_llama import DeltaLlamaForCausalLM, DeltaLlamaModel, DeltaLlamaPreTrainedModel
 from .peft_targets import register_peft_targets
 
 __version__ = "0.1.0"
@@ -66,6 +70,13 @@ for _auto_class, _model_class in _AUTO_CLASSES:
     _model_class.register_for_auto_class(_auto_class.__name__)
 register_peft_targets(DeltaGPTConfig.model_type)
 
+# DeltaLlama: the Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) with Delta residuals.
+AutoConfig.register(DeltaLlamaConfig.model_type, DeltaLlamaConfig, exist_ok=True)
+DeltaLlamaConfig.register_for_auto_class("AutoConfig")
+for _auto_class, _model_class in ((AutoModel, DeltaLlamaModel), (AutoModelForCausalLM, DeltaLlamaForCausalLM)):
+    _auto_class.register(DeltaLlamaConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_auto_class.__name__)
+
 __all__ = [
     "ConversionError",
     "DeltaGPTConfig",
@@ -74,6 +85,10 @@ __all__ = [
     "DeltaGPTForTokenClassification",
     "DeltaGPTModel",
     "DeltaGPTPreTrainedModel",
+    "DeltaLlamaConfig",
+    "DeltaLlamaForCausalLM",
+    "DeltaLlamaModel",
+    "DeltaLlamaPreTrainedModel",
     "DeltaNetAttention",
     "DeltaNetCache",
     "DeltaResidual",
@@ -84,10 +99,12 @@ __all__ = [
     "beta_upper_bounds",
     "convert_checkpoint",
     "convert_gpt2",
+    "convert_llama",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",
     "equivalence_report",
     "export_to_gpt2",
+    "export_to_llama",
     "push_converted_to_hub",
 ]

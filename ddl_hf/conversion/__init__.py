@@ -9,6 +9,8 @@ Three layers, each usable on its own:
   card) into an `atomic_directory` (`atomic`), verifies the written files against the source (`verifying`), and
   only then renames the directory into place, so a failure at any point leaves no partial output.
 * `export_to_gpt2(model)` (`exporting`): the exact way back, allowed only when every Delta gate is closed.
+* `convert_llama(source)` / `export_to_llama(model)` (`llama`): the same two for Llama, Mistral, Qwen2 and Qwen3
+  (DeltaLlama); `convert_checkpoint` and the CLI do not dispatch to them yet.
 """
 
 from .atomic import atomic_directory
@@ -17,6 +19,7 @@ from .converting import DTYPES, convert_gpt2, load_gpt2
 from .errors import ConversionError
 from .exporting import beta_upper_bounds, export_to_gpt2
 from .hub import DEFAULT_MAX_SHARD_SIZE, convert_checkpoint, model_card, push_converted_to_hub
+from .llama import convert_llama, export_to_llama, load_llama_family
 from .verifying import EQUIVALENCE_TOLERANCE, SAMPLE_TEXT, EquivalenceReport, equivalence_report, sample_input_ids
 
 __all__ = [
@@ -31,9 +34,12 @@ __all__ = [
     "beta_upper_bounds",
     "convert_checkpoint",
     "convert_gpt2",
+    "convert_llama",
     "equivalence_report",
     "export_to_gpt2",
+    "export_to_llama",
     "load_gpt2",
+    "load_llama_family",
     "model_card",
     "push_converted_to_hub",
     "run_cli",

@@ -20,6 +20,7 @@ from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 from ..configuration_delta_gpt import DeltaGPTConfig
+from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES
 from ..modeling_delta_gpt import DeltaGPTForCausalLM
 from .errors import ConversionError
 
@@ -48,6 +49,12 @@ def _check_gpt2_config(config, source_name: str) -> None:
         raise ConversionError(
             f"{source_name} is already a DeltaGPT (model_type 'delta_gpt'); load it with "
             "AutoModelForCausalLM.from_pretrained instead of converting it again."
+        )
+    if model_type in DELTA_LLAMA_FAMILIES:
+        raise ConversionError(
+            f"{source_name} is a {model_type} checkpoint; this path converts GPT-2 only. Convert it with "
+            f"ddl_hf.convert_llama({source_name}) and save the result with save_pretrained (the CLI and the "
+            "verified Hub-ready output are GPT-2 only so far; docs/llama.md)."
         )
     if model_type != "gpt2":
         raise ConversionError(

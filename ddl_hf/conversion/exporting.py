@@ -27,6 +27,49 @@ def beta_upper_bounds(model: DeltaGPTForCausalLM) -> dict[str, float]:
     return model.beta_upper_bounds()
 
 
+def check_exportable(model, target: str) -> None:
+    """Refuse (ValueError naming the reason) unless the Delta model computes exactly its source architecture's
+    function: additive mode, every gate closed, identity state convolutions, read vectors summing to 1.
+
+    Shared by `export_to_gpt2` and `export_to_llama`; `target` names the architecture in the messages."""
+    config = model.config
+    if config.delta_mode != "additive":
+        raise ValueError(
+            f"Cannot export a paper-mode Delta model to {target}: with delta_mode='paper' a block at beta = 0 is the "
+            f"identity, not the residual x + F(x), so no {target} computes the same function."
+        )
+    bounds = model.beta_upper_bounds()
+    open_blocks = {name: bound for name, bound in bounds.items() if bound > 0.0}
+    if open_blocks:
+        worst = max(open_blocks, key=open_blocks.get)
+        rho = model.delta_residuals()[worst].opening()
+        raise ValueError(
+            f"Cannot export to {target} exactly: {len(open_blocks)} of {len(bounds)} Delta blocks have an open gate. "
+            f"Largest beta found: {open_blocks[worst]:.6g} in {worst} (the supremum over all inputs; its opening "
+            f"rho = clamp(beta_open, 0, 1) = {rho:.6g}). A {target} has no Delta term, so only a model with every "
+            "beta_open <= 0 can be exported."
+        )
+    convolutions = {name: module for name, module in model.named_modules() if hasattr(module, "identity")}
+    moved = [name for name, module in convolutions.items() if not torch.equal(module.weight, module.identity())]
+    if moved:
+        raise ValueError(
+            f"Cannot export to {target} exactly: {len(moved)} state convolution(s) (delta_state_read / "
+            f"delta_embed_expand variants) are not the identity: {moved}. {target} has no convolution over the "
+            "residual state; only a model whose convolutions still have their identity weights can be exported."
+        )
+    if config.delta_value_channels > 1:
+        reads = {f"{model.base_model_prefix}.read_out": model.base_model.read_out}
+        for name, residual in model.delta_residuals().items():
+            reads[f"{name}.read_weights"] = residual.read_weights
+        sums = {name: float(w.detach().float().sum()) for name, w in reads.items()}
+        off = {name: total for name, total in sums.items() if abs(total - 1.0) > 1e-6}
+        if off:
+            raise ValueError(
+                f"Cannot export to {target} exactly: with d_v > 1 every read vector must sum to 1 so that reading the "
+                f"state x 1^T gives x back; these do not: {off}."
+            )
+
+
 def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
     """Return a plain GPT2LMHeadModel computing exactly the same function as `model`, or refuse.
 
@@ -38,41 +81,7 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
     config = model.config
     if getattr(config, "model_type", None) != DeltaGPTConfig.model_type or not hasattr(model, "lm_head"):
         raise ValueError(f"export_to_gpt2 needs a DeltaGPTForCausalLM, got {type(model).__name__}.")
-    if config.delta_mode != "additive":
-        raise ValueError(
-            "Cannot export a paper-mode DeltaGPT to GPT-2: with delta_mode='paper' a block at beta = 0 is the "
-            "identity, not GPT-2's x + F(x), so no GPT-2 computes the same function."
-        )
-    bounds = beta_upper_bounds(model)
-    open_blocks = {name: bound for name, bound in bounds.items() if bound > 0.0}
-    if open_blocks:
-        worst = max(open_blocks, key=open_blocks.get)
-        rho = model.delta_residuals()[worst].opening()
-        raise ValueError(
-            f"Cannot export to GPT-2 exactly: {len(open_blocks)} of {len(bounds)} Delta blocks have an open gate. "
-            f"Largest beta found: {open_blocks[worst]:.6g} in {worst} (the supremum over all inputs; its opening "
-            f"rho = clamp(beta_open, 0, 1) = {rho:.6g}). A GPT-2 has no Delta term, so only a model with every "
-            "beta_open <= 0 can be exported."
-        )
-    convolutions = {name: module for name, module in model.named_modules() if hasattr(module, "identity")}
-    moved = [name for name, module in convolutions.items() if not torch.equal(module.weight, module.identity())]
-    if moved:
-        raise ValueError(
-            f"Cannot export to GPT-2 exactly: {len(moved)} state convolution(s) (delta_state_read / "
-            f"delta_embed_expand variants) are not the identity: {moved}. GPT-2 has no convolution over the "
-            "residual state; only a model whose convolutions still have their identity weights can be exported."
-        )
-    if config.delta_value_channels > 1:
-        reads = {"transformer.read_out": model.transformer.read_out}
-        for name, residual in model.delta_residuals().items():
-            reads[f"{name}.read_weights"] = residual.read_weights
-        sums = {name: float(w.detach().float().sum()) for name, w in reads.items()}
-        off = {name: total for name, total in sums.items() if abs(total - 1.0) > 1e-6}
-        if off:
-            raise ValueError(
-                "Cannot export to GPT-2 exactly: with d_v > 1 every read vector must sum to 1 so that reading the "
-                f"state x 1^T gives x back; these do not: {off}."
-            )
+    check_exportable(model, "GPT-2")
 
     dropped = {*CHECKPOINT_KEYS, *delta_config_fields()}
     fields = {k: v for k, v in config.to_dict().items() if k not in dropped}
@@ -92,4 +101,4 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
     return gpt2.train(model.training)
 
 
-__all__ = ["beta_upper_bounds", "export_to_gpt2"]
+__all__ = ["beta_upper_bounds", "check_exportable", "export_to_gpt2"]

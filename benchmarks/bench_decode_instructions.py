@@ -1,0 +1,242 @@
+"""Decoding cost in executed instructions (callgrind): DeltaGPT / GPT-2 without the noise of a shared machine.
+
+bench_overhead.py's CPU-time ratios for decoding at batch 1 swing by ±0.1 while other jobs share the cores: each
+token is ~1,000 small ops whose time depends on cache state. The number of instructions a decoding step executes
+does not. One process per shape runs under `valgrind --tool=callgrind` with instrumentation off (so imports and
+model building run at near native speed); it builds GPT-2 and the DeltaGPT rows (the same `build_pair` as
+bench_overhead.py), warms each up, and then, for each model, generates greedily from a 16-token prompt with the KV
+cache (batch 1) twice: `max_new_tokens=1` and 1 + N. This script counts each of those windows alone (it switches
+instrumentation on, zeroes the counters before a window and dumps them after it, with `callgrind_control`); the
+difference of the two windows divided by N is one decoding step, generate's own per-step work included as in
+bench_overhead's gen/token (prefill cancels).
+
+Instructions are not time: a cache miss or a large matmul costs more per instruction than dispatch code. The ratio
+therefore measures the Delta blocks' dispatch and Python work against GPT-2's per-token work on one count, and
+moves only when the code does; the CPU-time ratios of bench_overhead.py remain the measure of time.
+
+    python benchmarks/bench_decode_instructions.py                 # shapes small and gpt2-small
+    python benchmarks/bench_decode_instructions.py --shapes tiny   # a minute or two
+
+Needs `valgrind` on PATH. Writes benchmarks/results/decode_instructions.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import provenance, write_results  # noqa: E402
+
+MODELS = ["gpt2", "d_v=1 additive", "d_v=1 paper", "d_v=4 additive", "d_v=4 paper"]
+PROMPT_TOKENS = 16
+
+
+def child(shape_name: str, new_tokens: int) -> None:
+    """Build every model of one shape and generate when told to: the process that callgrind counts.
+
+    Protocol on stdout/stdin: `window MODEL TOKENS` (then waits for a line), generates, `done` (waits again)."""
+    import torch
+    from bench_overhead import SHAPES, build_pair
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    shape = SHAPES[shape_name]
+    models = {"gpt2": build_pair(shape, 1, "additive")[0]}
+    for name in MODELS[1:]:
+        d_v, mode = name.removeprefix("d_v=").split()
+        models[name] = build_pair(shape, int(d_v), mode)[1]
+    prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+
+    def generate(model: torch.nn.Module, tokens: int) -> None:
+        with torch.inference_mode():
+            out = model.eval().generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == PROMPT_TOKENS + tokens
+
+    for model in models.values():  # lazy initialisation inside torch and transformers happens here
+        generate(model, 2 + new_tokens)
+    for name, model in models.items():
+        for tokens in (1, 1 + new_tokens):
+            print(f"window {name} {tokens}", flush=True)
+            sys.stdin.readline()
+            generate(model, tokens)
+            print("done", flush=True)
+            sys.stdin.readline()
+
+
+def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, dict[int, int]]:
+    """{model: {new tokens: instructions of that generate call alone}} for one shape."""
+    out = folder / f"callgrind-{shape_name}"
+    command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    command += [sys.executable, __file__, "--child", shape_name, str(new_tokens)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
+    child_process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+    def control(*flags: str) -> None:
+        subprocess.run(["callgrind_control", *flags, str(child_process.pid)], check=True, capture_output=True)
+
+    counts: dict[str, dict[int, int]] = {}
+    dumps = 0
+    try:
+        for line in child_process.stdout:
+            if not line.startswith("window "):
+                continue
+            name, tokens = line.removeprefix("window ").strip().rsplit(" ", 1)  # model names contain spaces
+            if not dumps:  # the child is up and waiting: callgrind can take commands now
+                control("--instr=on")
+            control("--zero")
+            child_process.stdin.write("go\n")
+            child_process.stdin.flush()
+            if child_process.stdout.readline().strip() != "done":
+                raise RuntimeError("the child stopped in a window")
+            control("--dump")
+            dumps += 1
+            text = Path(f"{out}.{dumps}").read_text()
+            counts.setdefault(name, {})[int(tokens)] = int(re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)[1])
+            child_process.stdin.write("next\n")
+            child_process.stdin.flush()
+    finally:
+        child_process.stdin.close()
+        if child_process.wait() != 0:
+            raise RuntimeError(f"callgrind child failed ({shape_name}):\n{child_process.stderr.read()[-2000:]}")
+    return counts
+
+
+def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
+    """{model: {"per_token": aten ops per decoding step, "by_op": {op: calls per step}}}, counted by torch.profiler.
+
+    The same windows as the instruction count (1 and 1 + N new tokens after a warm-up), in this process: every
+    aten operator call is one trip through the dispatcher, the fixed cost that dominates decoding at batch 1."""
+    import collections
+
+    import torch
+    from bench_overhead import SHAPES, build_pair
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    shape = SHAPES[shape_name]
+    prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name in MODELS:
+        if name == "gpt2":
+            model = build_pair(shape, 1, "additive")[0]
+        else:
+            d_v, mode = name.removeprefix("d_v=").split()
+            model = build_pair(shape, int(d_v), mode)[1]
+        model.eval()
+        counts = {}
+        for tokens in (2 + new_tokens, 1, 1 + new_tokens):  # the first is the warm-up
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                model.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            counts[tokens] = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+        by_op = {op: (counts[1 + new_tokens][op] - counts[1][op]) / new_tokens for op in counts[1 + new_tokens]}
+        by_op = {op: n for op, n in sorted(by_op.items(), key=lambda item: -item[1]) if n}
+        results[name] = {"per_token": sum(by_op.values()), "by_op": by_op}
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"Instructions per decoding step at batch 1 (greedy `generate`, KV cache, {PROMPT_TOKENS}-token prompt), "
+        f"counted by callgrind: (run with 1 + N new tokens − run with 1) / N, N = {results['new_tokens']}. Ratio = "
+        "DeltaGPT / GPT-2 of the same shape. Deterministic: it does not depend on other jobs on the machine.",
+        "",
+        "| shape | model | instructions per token | ratio to GPT-2 | aten ops per token | ratio to GPT-2 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        base = row["model"] == "gpt2"
+        lines.append(
+            f"| {row['shape']} | {row['model']} | {row['per_token']:,.0f} | "
+            f"{'' if base else format(row['ratio'], '.3f')} | {row['ops_per_token']:,.0f} | "
+            f"{'' if base else format(row['ops_ratio'], '.3f')} |"
+        )
+    lines += [
+        "",
+        "Aten operator calls per decoding step that each DeltaGPT adds to GPT-2's (torch.profiler, same windows; "
+        "per Delta block = added / (2 x layers)):",
+        "",
+        "| shape | model | added ops per Delta block | largest additions (calls per block) |",
+        "|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        if row["model"] != "gpt2":
+            added = ", ".join(f"{op.removeprefix('aten::')} {n:g}" for op, n in row["added_ops_per_block"][:8])
+            lines.append(f"| {row['shape']} | {row['model']} | {row['added_per_block']:.1f} | {added} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["small", "gpt2-small"], help="shapes of bench_overhead.py")
+    parser.add_argument("--new-tokens", type=int, default=8, help="N: decoding steps in the difference")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
+    parser.add_argument("--name", default="decode_instructions", help="basename of the result files")
+    parser.add_argument("--child", nargs=2, metavar=("SHAPE", "TOKENS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child[0], int(args.child[1]))
+    if shutil.which("valgrind") is None:
+        sys.exit("error: valgrind is not on PATH; install it (e.g. `apt-get install valgrind`) to count instructions")
+    import torch
+    from bench_overhead import SHAPES
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(1)  # as in the counted processes, so that the provenance says so
+    prov = provenance()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in tqdm(args.shapes, desc="callgrind", unit="shape"):
+            counts = measure_shape(shape, args.new_tokens, Path(tmp))
+            ops = count_ops(shape, args.new_tokens)
+            for model in MODELS:
+                per_token = (counts[model][1 + args.new_tokens] - counts[model][1]) / args.new_tokens
+                rows.append(
+                    {
+                        "shape": shape,
+                        "model": model,
+                        "per_token": per_token,
+                        "windows": counts[model],
+                        "ops_per_token": ops[model]["per_token"],
+                        "ops_by_op": ops[model]["by_op"],
+                    }
+                )
+    for row in rows:
+        base = next(r for r in rows if r["shape"] == row["shape"] and r["model"] == "gpt2")
+        row["ratio"] = row["per_token"] / base["per_token"]
+        row["ops_ratio"] = row["ops_per_token"] / base["ops_per_token"]
+        blocks = 2 * SHAPES[row["shape"]]["n_layer"]
+        row["added_per_block"] = (row["ops_per_token"] - base["ops_per_token"]) / blocks
+        added = {op: (n - base["ops_by_op"].get(op, 0)) / blocks for op, n in row["ops_by_op"].items()}
+        row["added_ops_per_block"] = sorted(((op, n) for op, n in added.items() if n > 0), key=lambda x: -x[1])
+    results = {"provenance": prov, "new_tokens": args.new_tokens, "rows": rows}
+    write_results(args.out, args.name, results, markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

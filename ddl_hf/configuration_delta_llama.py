@@ -1,0 +1,1 @@
+../configuration_delta_llama.py

@@ -1,0 +1,161 @@
+"""Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3) in, DeltaLlama out, in memory; and the exact way back.
+
+Same rules as the GPT-2 path (`converting`, `exporting`): refuse rather than guess. Every source weight is copied
+under its own name (DeltaLlama keeps the family's module names); only the Delta parameters are new, initialised
+so that beta == `delta_beta_init` exactly (default 0: the additive model computes the source's function).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+
+from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
+from ..modeling_delta_llama import DeltaLlamaForCausalLM
+from .converting import CHECKPOINT_KEYS, _quiet_transformers, _resolve_dtype, hub_kwargs, looks_like_path
+from .errors import ConversionError
+from .exporting import check_exportable
+
+
+def _check_family_config(config: PreTrainedConfig, source_name: str) -> None:
+    """Refuse what DeltaLlama cannot reproduce, naming the problem and what to do instead."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == DeltaLlamaConfig.model_type:
+        raise ConversionError(
+            f"{source_name} is already a DeltaLlama (model_type 'delta_llama'); load it with "
+            "AutoModelForCausalLM.from_pretrained instead of converting it again."
+        )
+    if model_type not in DELTA_LLAMA_FAMILIES:
+        raise ConversionError(
+            f"{source_name} has model_type {model_type!r}, which convert_llama does not support. Supported "
+            f"families: {', '.join(DELTA_LLAMA_FAMILIES)} (convert GPT-2 checkpoints with convert_gpt2)."
+        )
+    if getattr(config, "quantization_config", None):
+        raise ConversionError(
+            f"{source_name} is quantized; the Delta conversion needs the full-precision weights. Convert the "
+            "original float checkpoint and quantize the result afterwards."
+        )
+
+
+def _delta_llama_config(source_config: PreTrainedConfig, overrides: dict) -> DeltaLlamaConfig:
+    """The source's config with the Delta fields; unknown override names are refused, not silently carried."""
+    family_class = DELTA_LLAMA_FAMILIES[source_config.model_type]
+    valid = {f.name for f in dataclasses.fields(family_class)} | {f.name for f in dataclasses.fields(DeltaLlamaConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        delta_fields = [name for name in DeltaLlamaConfig.__dataclass_fields__ if name.startswith("delta_")]
+        raise ConversionError(
+            f"Unknown DeltaLlamaConfig field(s) {unknown}. Valid Delta fields: {', '.join(delta_fields)} (and any "
+            f"{family_class.__name__} field)."
+        )
+    fields = {k: v for k, v in source_config.to_dict().items() if k not in CHECKPOINT_KEYS}
+    try:
+        config = DeltaLlamaConfig(source_model_type=source_config.model_type, **{**fields, **overrides})
+    except ValueError as error:
+        raise ConversionError(f"Invalid DeltaLlama setting: {error}") from error
+    config._attn_implementation = source_config._attn_implementation
+    return config
+
+
+def load_llama_family(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> PreTrainedModel:
+    """Load a Llama / Mistral / Qwen2 / Qwen3 causal LM from a Hub id or directory, refusing anything else and any
+    checkpoint whose weights do not match its config exactly (missing, unexpected or misshaped weights)."""
+    name = os.fspath(source)
+    if not os.path.isdir(name) and looks_like_path(name):
+        raise ConversionError(f"No such directory: {name!r}. Pass an existing local model directory or a Hub id.")
+    hub = hub_kwargs(name)
+    try:
+        config = AutoConfig.from_pretrained(name, **hub)
+    except (OSError, ValueError) as error:
+        raise ConversionError(
+            f"Cannot read a model config from {name!r}: {error}\nPass a Hub id (needs network access or a copy in "
+            "the Hugging Face cache) or a local directory containing config.json."
+        ) from error
+    _check_family_config(config, repr(name))
+    try:
+        with _quiet_transformers():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True, **hub
+            )
+    except (OSError, RuntimeError, ValueError) as error:
+        raise ConversionError(f"Cannot load weights from {name!r}: {error}") from error
+    problems = [f"{kind} {sorted(map(str, info[key]))}" for key, kind in _LOAD_PROBLEMS if info[key]]
+    if problems:
+        raise ConversionError(
+            f"{name!r} does not hold exactly the weights of its config's model: {'; '.join(problems)}. Converting "
+            "it would not start from the source's function; re-save the source with save_pretrained."
+        )
+    return model.eval()
+
+
+_LOAD_PROBLEMS = (
+    ("missing_keys", "missing weights"),
+    ("unexpected_keys", "unexpected weights"),
+    ("mismatched_keys", "weights with the wrong shape"),
+)
+
+
+def convert_llama(source: str | os.PathLike | PreTrainedModel, **config_overrides) -> DeltaLlamaForCausalLM:
+    """Build a DeltaLlamaForCausalLM carrying the weights of a Llama, Mistral, Qwen2 or Qwen3 causal LM.
+
+    Args:
+        source: a Hub id, a local directory, or an in-memory `LlamaForCausalLM` (`MistralForCausalLM`, ...).
+        **config_overrides: DeltaLlamaConfig fields, e.g. `delta_mode="paper"`, `delta_value_channels=4`;
+            `dtype="bfloat16"` loads a Hub id or directory in that precision.
+
+    Raises `ConversionError` for an unsupported family, unknown or invalid fields, or mismatched weights.
+    """
+    overrides = dict(config_overrides)
+    dtype = overrides.pop("dtype", None)
+    if isinstance(source, PreTrainedModel):
+        _check_family_config(source.config, f"The {type(source).__name__} passed in")
+        model_in = source
+        dtype = source.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
+        state_dict = {name: tensor.detach().clone() for name, tensor in source.state_dict().items()}
+    elif isinstance(source, (str, os.PathLike)):
+        model_in = load_llama_family(source, "auto" if dtype is None else dtype)
+        dtype, state_dict = model_in.dtype, model_in.state_dict()
+    else:
+        raise ConversionError(
+            f"source must be a Hub id, a directory or a Llama-family causal LM, not a {type(source).__name__}."
+        )
+    config = _delta_llama_config(model_in.config, overrides)
+    with _quiet_transformers():
+        model, info = DeltaLlamaForCausalLM.from_pretrained(
+            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
+        )
+    really_missing = sorted(set(info["missing_keys"]) - set(model.delta_parameters()))
+    if really_missing or info["unexpected_keys"] or info["mismatched_keys"]:
+        raise ConversionError(
+            f"{config.source_model_type} weights do not match the DeltaLlama layout: missing {really_missing}, "
+            f"unexpected {sorted(info['unexpected_keys'])}, wrong shape {sorted(map(str, info['mismatched_keys']))}."
+        )
+    model.generation_config = copy.deepcopy(model_in.generation_config)
+    return model.train(model_in.training)
+
+
+def export_to_llama(model: DeltaLlamaForCausalLM) -> PreTrainedModel:
+    """Return the source family's causal LM (`LlamaForCausalLM`, ...) computing exactly `model`'s function, or
+    refuse (ValueError) unless the model is additive with every gate closed (see `check_exportable`)."""
+    if getattr(model.config, "model_type", None) != DeltaLlamaConfig.model_type or not hasattr(model, "lm_head"):
+        raise ValueError(f"export_to_llama needs a DeltaLlamaForCausalLM, got {type(model).__name__}.")
+    family_config = model.config.family_config()
+    check_exportable(model, type(family_config).__name__.removesuffix("Config"))
+    delta_parameters = set(model.delta_parameters())
+    state_dict = {n: t.detach().clone() for n, t in model.state_dict().items() if n not in delta_parameters}
+    model_class = AutoModelForCausalLM._model_mapping[type(family_config)]
+    with _quiet_transformers():
+        exported, info = model_class.from_pretrained(
+            None, config=family_config, state_dict=state_dict, dtype=model.dtype, output_loading_info=True
+        )
+    if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # a DeltaLlama layout bug
+        raise ValueError(f"DeltaLlama weights do not map onto {model_class.__name__}: {info}")
+    exported.generation_config = copy.deepcopy(model.generation_config)
+    return exported.train(model.training)
+
+
+__all__ = ["convert_llama", "export_to_llama", "load_llama_family"]

@@ -1,0 +1,1 @@
+../modeling_delta_llama.py

@@ -1,0 +1,445 @@
+"""PyTorch DeltaLlama: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose every residual is a Delta residual.
+
+Each layer is the family's own `input_layernorm -> self_attn -> residual, post_attention_layernorm -> mlp ->
+residual`; both residual connections become DeltaGPT's `DeltaResidual` (the same module, both modes, any d_v, the
+variants). The attention, MLP, RMSNorm and rotary embedding are the family's own transformers classes, chosen by
+`config.source_model_type`, so attention backends, GQA, RoPE scaling, QK-norm (Qwen3) and sliding windows carry
+over, and the parameter names are the family's: a converted checkpoint loads under its own names.
+
+Reads top to bottom like `modeling_llama.py`: the family table, the decoder layer, the pretrained base, the model
+and the causal LM head. The Delta residual itself, its state convolutions and caches live in `modeling_delta_gpt.py`.
+
+Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
+(`configuration_delta_llama.py`, `modeling_delta_gpt.py` and theirs), which `save_pretrained` copies next to the
+weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.mistral.modeling_mistral import (
+    MistralAttention,
+    MistralMLP,
+    MistralRMSNorm,
+    MistralRotaryEmbedding,
+)
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
+from .modeling_delta_gpt import (
+    DeltaConvContext,
+    DeltaEmbedExpand,
+    DeltaGPTPreTrainedModel,
+    DeltaResidual,
+    DeltaSite,
+    DeltaStateCache,
+    DeltaStateConv,
+    DeltaWindowsMixin,
+    _hidden_states_contract,
+    _with_delta_outputs,
+    packed_document_starts,
+)
+
+
+class FamilyModules(NamedTuple):
+    """The transformers classes a DeltaLlama layer borrows from its source family."""
+
+    attention: type[nn.Module]
+    mlp: type[nn.Module]
+    norm: type[nn.Module]
+    rotary: type[nn.Module]
+
+
+FAMILY_MODULES: dict[str, FamilyModules] = {
+    "llama": FamilyModules(LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding),
+    "mistral": FamilyModules(MistralAttention, MistralMLP, MistralRMSNorm, MistralRotaryEmbedding),
+    "qwen2": FamilyModules(Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2RotaryEmbedding),
+    "qwen3": FamilyModules(Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding),
+}
+assert set(FAMILY_MODULES) == set(DELTA_LLAMA_FAMILIES)
+
+
+def family_modules(config: DeltaLlamaConfig) -> FamilyModules:
+    """The family's classes, or a ValueError listing the supported families."""
+    if config.source_model_type not in FAMILY_MODULES:
+        raise ValueError(
+            f"source_model_type={config.source_model_type!r} is not supported; DeltaLlama supports "
+            f"{', '.join(FAMILY_MODULES)}."
+        )
+    return FAMILY_MODULES[config.source_model_type]
+
+
+def attention_layer_types(config: DeltaLlamaConfig) -> list[str]:
+    """Each layer's attention kind as its family's model decides it: Qwen2/Qwen3 from `layer_types`, Mistral
+    sliding everywhere when `sliding_window` is set, Llama always full."""
+    layers = config.num_hidden_layers
+    if config.source_model_type in ("qwen2", "qwen3"):
+        return list(config.layer_types)
+    if config.source_model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * layers
+    return ["full_attention"] * layers
+
+
+@torch.no_grad()
+def rms_beta_upper_bound(residual: DeltaResidual, norm: nn.Module) -> float:
+    """The largest beta `residual` can produce over every input when its gate reads `c = RMSNorm(x) = gamma * n`.
+
+    RMSNorm gives |n|^2 = D ms / (ms + eps) < D (n is not zero-mean, unlike LayerNorm's, so `DeltaResidual.
+    beta_upper_bound` does not apply): a linear gate `w.c + b` is at most `b + sqrt(D) |w * gamma|` (the least upper
+    bound), an mlp gate at most `|w|_1 + b`. 0.0 means beta is exactly 0 for every input (the gate is closed).
+    """
+    rho = residual.opening()
+    if rho == 0.0:
+        return 0.0
+    out = residual.gate_output
+    w, b = out.weight.float()[0], float(out.bias.float()[0])
+    if isinstance(residual.beta_proj, nn.Linear):
+        g_max = b + math.sqrt(w.numel()) * float((w * norm.weight.float()).norm())
+    else:
+        g_max = float(w.abs().sum()) + b
+    sigmoid = 1.0 / (1.0 + math.exp(-g_max)) if g_max >= 0 else math.exp(g_max) / (1.0 + math.exp(g_max))
+    return 2.0 * rho * sigmoid
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
+    """The family's decoder layer (pre-norm attention then MLP) whose two residual connections are Delta residuals."""
+
+    def __init__(self, config: DeltaLlamaConfig, layer_idx: int):
+        super().__init__()
+        family = family_modules(config)
+        self.hidden_size = config.hidden_size
+        self.layer_idx = layer_idx
+
+        self.self_attn = family.attention(config=config, layer_idx=layer_idx)
+        self.attn_delta = DeltaResidual(config)
+        self.mlp = family.mlp(config)
+        self.mlp_delta = DeltaResidual(config)
+        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def delta_residuals(self) -> dict[str, tuple[DeltaResidual, nn.Module]]:
+        """{attribute name: (Delta residual, the RMSNorm that produces its sublayer and gate input)}."""
+        return {
+            "attn_delta": (self.attn_delta, self.input_layernorm),
+            "mlp_delta": (self.mlp_delta, self.post_attention_layernorm),
+        }
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        delta_context: DeltaConvContext | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
+        key = f"layers.{self.layer_idx}"
+        normed = self.input_layernorm(self.attn_delta.read(hidden_states, delta_context, f"{key}.attn"))
+        attn_output, _ = self.self_attn(
+            hidden_states=normed,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states, attn_beta = self.attn_delta(hidden_states, normed, attn_output)
+
+        normed = self.post_attention_layernorm(self.mlp_delta.read(hidden_states, delta_context, f"{key}.mlp"))
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, normed, self.mlp(normed))
+        return hidden_states, attn_beta, mlp_beta
+
+
+DeltaLlamaModelOutput = _with_delta_outputs("DeltaLlamaModelOutput", BaseModelOutputWithPast)
+DeltaLlamaCausalLMOutput = _with_delta_outputs("DeltaLlamaCausalLMOutput", CausalLMOutputWithPast)
+
+
+class DeltaLlamaPreTrainedModel(DeltaGPTPreTrainedModel):
+    """DeltaGPT's pretrained base (Delta init, `delta_residuals()`, `delta_parameters()`, exact init of the Delta
+    parameters a source checkpoint lacks) with the Llama family's layout and flags."""
+
+    config: DeltaLlamaConfig
+    config_class = DeltaLlamaConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DeltaLlamaDecoderLayer"]
+    _supports_flex_attn = True
+    _keys_to_ignore_on_load_unexpected = None
+    _can_record_outputs = {
+        "hidden_states": DeltaLlamaDecoderLayer,
+        # The family's attention class differs per config: matched by its module name instead.
+        "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
+        # From the layer (hooked for hidden states anyway), not a hook on every Delta residual: see DeltaGPT's.
+        "betas": [OutputRecorder(DeltaLlamaDecoderLayer, index=1), OutputRecorder(DeltaLlamaDecoderLayer, index=2)],
+    }
+
+    @torch.no_grad()
+    def beta_upper_bounds(self) -> dict[str, float]:
+        """The largest beta each Delta residual can produce over every input (see `rms_beta_upper_bound`)."""
+        return {site.name: rms_beta_upper_bound(site.residual, site.norm) for site in self._delta_sites()}
+
+    def _delta_sites(self) -> list[DeltaSite]:
+        prefix = self._base_prefix()
+        return [
+            DeltaSite(f"{prefix}layers.{i}.{attr}", f"L{i}.{attr.removesuffix('_delta')}", residual, norm)
+            for i, layer in enumerate(self.base_model.layers)
+            for attr, (residual, norm) in layer.delta_residuals().items()
+        ]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The family's initialisation (transformers' default) plus DeltaGPT's Delta init; and the final read."""
+        super()._init_weights(module)
+        if isinstance(module, DeltaLlamaModel) and module.value_channels > 1:
+            init.constant_(module.read_out, 1.0 / module.value_channels)
+
+
+class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
+    def __init__(self, config: DeltaLlamaConfig):
+        super().__init__(config)
+        config.validate_delta_residual()
+        family = family_modules(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.value_channels = config.delta_value_channels
+        self.layer_types = attention_layer_types(config)
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([DeltaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        if self.value_channels > 1:
+            # Reads the expanded state [.., D, d_v] out to [.., D] before the final norm.
+            self.read_out = nn.Parameter(torch.empty(self.value_channels))
+        # TC / CC read the final state like every sublayer's input; EC expands the embedding (docs/variants.md).
+        size = config.delta_conv_size
+        self.read_out_conv = (
+            DeltaStateConv(config.delta_state_read, config.hidden_size, self.value_channels, size)
+            if config.delta_state_read != "linear"
+            else None
+        )
+        self.embed_expand = (
+            DeltaEmbedExpand(config.hidden_size, self.value_channels, size)
+            if config.delta_embed_expand == "conv"
+            else None
+        )
+        self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
+        self.embed_tokens = new_embeddings
+
+    @merge_with_config_defaults
+    @_hidden_states_contract
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DeltaLlamaModelOutput:
+        r"""
+        Same inputs as the family's `XxxModel.forward`. `output_betas=True` returns `betas`: one `[batch, seq_len]`
+        tensor per Delta residual. With `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of
+        the expanded states, and `output_expanded_states=True` returns the states `[.., hidden_size, d_v]`.
+
+        The family's forward (embeddings, masks, rotary, layers, norm) plus the Delta steps: the state expansion
+        over the value channels, the convolution windows of the temporal variants, and the read-out before `norm`.
+        """
+        for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
+            kwargs.pop(flag, None)
+        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `_hidden_states_contract`
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None and input_ids.numel() and not torch.compiler.is_compiling():
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) (found "
+                    f"{low}..{high}). Use the model's own tokenizer, or call model.resize_token_embeddings("
+                    "len(tokenizer)) after adding tokens."
+                )
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        temporal = self.config.delta_temporal
+        if use_cache and past_key_values is None:
+            past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
+        if temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
+            raise TypeError(
+                f"delta_state_read={self.config.delta_state_read!r} / delta_embed_expand="
+                f"{self.config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
+                f"got {type(past_key_values).__name__}; pass past_key_values=DeltaStateCache(model.config) or let the "
+                "model create it (use_cache=True)."
+            )
+        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        batch_size, seq_len = inputs_embeds.shape[:2]
+
+        document_starts = None
+        if temporal:  # packed rows: the convolution windows restart at each document
+            cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
+            document_starts = packed_document_starts(position_ids, cu_seq_lens, (batch_size, seq_len), past_seen_tokens)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        # It may already have been prepared by e.g. `generate`
+        if not isinstance(causal_mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "past_key_values": past_key_values,
+                "position_ids": position_ids,
+            }
+            causal_mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if "sliding_attention" in self.layer_types:
+                causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        token_mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+        checkpointing = self.gradient_checkpointing and self.training
+        delta_context = DeltaConvContext(
+            token_mask=token_mask,
+            cache=past_key_values if temporal and not checkpointing else None,
+            document_starts=document_starts,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if self.embed_expand is not None:
+            hidden_states = self.embed_expand(hidden_states, delta_context)
+        elif self.value_channels > 1:
+            # X_0 = embedding repeated over the value channels: a view, no copy.
+            hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
+
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            hidden_states, *_ = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask_mapping[self.layer_types[i]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                delta_context=delta_context,
+                **kwargs,
+            )
+
+        final_state = hidden_states
+        if self.read_out_conv is not None:
+            read = self.read_out if self.value_channels > 1 else None
+            hidden_states = self.read_out_conv(hidden_states, read, delta_context, "read_out")
+        elif self.value_channels > 1:
+            hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
+        hidden_states = self.norm(hidden_states)
+        return DeltaLlamaModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
+            expanded_states=(final_state,) if hand_over_final_state else None,
+        )
+
+
+class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DeltaLlamaConfig):
+        super().__init__(config)
+        self.model = DeltaLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """`generate` builds a DynamicCache from the config; a temporal variant needs the cache with its windows."""
+        wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        if not self.config.delta_temporal or not wants_new_cache:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported with a temporal "
+                "Delta variant (its cache keeps convolution windows). Leave cache_implementation unset."
+            )
+        model_kwargs["past_key_values"] = DeltaStateCache(self.config)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> DeltaLlamaCausalLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Labels for language modeling; shifted inside the model, so `labels = input_ids` works. -100 is ignored.
+        """
+        outputs: DeltaLlamaModelOutput = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return DeltaLlamaCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            betas=outputs.betas,
+            expanded_states=outputs.expanded_states,
+        )
+
+
+__all__ = [
+    "DeltaLlamaDecoderLayer",
+    "DeltaLlamaForCausalLM",
+    "DeltaLlamaModel",
+    "DeltaLlamaPreTrainedModel",
+    "rms_beta_upper_bound",
+]
