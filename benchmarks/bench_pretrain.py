@@ -123,7 +123,9 @@ class Preset:
     def key(self) -> str:
         import hashlib
 
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        # The number of seeds does not change what a run computes: asking for more reuses the runs already made.
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("seeds", "extra_seeds")}
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
         return f"L{self.n_layer}-D{self.n_embd}-V{self.vocab_size}-{self.steps}steps-{digest}"
 
 

@@ -146,3 +146,11 @@ def test_identity_initialised_convolution_control_starts_as_gpt2():
     ids = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
         assert torch.equal(control(ids).logits, gpt2(ids).logits)
+
+
+def test_preset_key_ignores_the_number_of_seeds_only():
+    """More seeds reuse the runs already made; anything that changes what a run computes starts a new folder."""
+    base = bench_pretrain.Preset()
+    assert bench_pretrain.Preset(seeds=7, extra_seeds=0).key() == base.key()
+    assert bench_pretrain.Preset(steps=901).key() != base.key()
+    assert bench_pretrain.Preset(learning_rate=1e-3).key() != base.key()
