@@ -1,6 +1,6 @@
 """The main job: GPT-2 -> DeltaGPT -> fine-tune -> inspect -> save -> reload -> generate, offline on a CPU.
 
-    python examples/demo.py                      # first run 7 min 50 s, cached 1 min 39 s (*)
+    python examples/demo.py                      # first run 3 min 35 s, cached 1 min 16 s (*)
     python examples/demo.py --base gpt2          # the real GPT-2 from the Hub (online), or any id / directory
     python examples/demo.py --smoke              # tiny sizes, a pipeline check in well under a minute
 
@@ -19,7 +19,7 @@ to thousands and word-salad samples are expected, for GPT-2 and DeltaGPT alike; 
 is answered by the study (README, "Does DDL help?": benchmarks/bench_pretrain.py and bench_finetune.py). The
 same seed gives bit-identical results, whether the base was just pretrained or loaded from the cache.
 
-(*) Measured on 2 CPU cores shared with other jobs, one torch thread (docs/workflows.md, "Demo timing").
+(*) Measured on 2 idle CPU cores, torch's default threads (docs/workflows.md, "Demo timing").
 """
 
 from __future__ import annotations
