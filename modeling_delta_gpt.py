@@ -914,7 +914,56 @@ def resolve_delta_init(config: DeltaGPTConfig, loading: bool) -> None:
         config.delta_beta_init = 0.0 if config.delta_init == "exact" else 1.0
 
 
-class DeltaGPTModel(DeltaGPTPreTrainedModel):
+class DeltaStateMixin:
+    """The Delta steps around a stack of blocks, shared by every Delta base model (DeltaGPT, DeltaLlama).
+
+    Needs `value_channels`, `embed_expand`, `read_out` and `read_out_conv` on the model."""
+
+    def check_window_cache(self, past_key_values: Cache | None) -> None:
+        """TC / EC variants convolve over tokens: refuse a cache that cannot keep their windows."""
+        config = self.config
+        if config.delta_temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
+            raise TypeError(
+                f"delta_state_read={config.delta_state_read!r} / delta_embed_expand="
+                f"{config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
+                f"got {type(past_key_values).__name__}; pass past_key_values=DeltaStateCache(model.config) or let the "
+                "model create it (use_cache=True)."
+            )
+
+    def expand_state(self, embeddings: torch.Tensor, context: DeltaConvContext) -> torch.Tensor:
+        """X_0: the embedding itself (d_v = 1), convolved into the channels (EC), or repeated over them (a view)."""
+        if self.embed_expand is not None:
+            return self.embed_expand(embeddings, context)
+        if self.value_channels > 1:
+            return embeddings.unsqueeze(-1).expand(*embeddings.shape, self.value_channels)
+        return embeddings
+
+    def read_state_out(self, state: torch.Tensor, context: DeltaConvContext) -> torch.Tensor:
+        """What the final norm receives: the last state read with `read_out` (after the TC read-out convolution)."""
+        if self.read_out_conv is not None:
+            return self.read_out_conv(state, self.read_out if self.value_channels > 1 else None, context, "read_out")
+        if self.value_channels > 1:
+            return state @ self.read_out.to(state.dtype)
+        return state
+
+
+def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
+    """A clear error for token ids outside the vocabulary (not an index error deep inside the embedding)."""
+    if input_ids is None or not input_ids.numel():
+        return
+    if input_ids.numel() == 1:  # decoding one sequence: one host read, no reduction
+        low = high = int(input_ids)
+    else:
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"input_ids contain token ids outside [0, vocab_size={vocab_size}) (found {low}..{high}). Use the "
+            "tokenizer the model was trained with, or call model.resize_token_embeddings(len(tokenizer)) after "
+            "adding tokens."
+        )
+
+
+class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
     def __init__(self, config: DeltaGPTConfig):
         super().__init__(config)
         config.validate_delta()
@@ -1000,13 +1049,8 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
         if delta_net:
             require_delta_net_cache(past_key_values)
-        elif temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
-            raise TypeError(
-                f"delta_state_read={self.config.delta_state_read!r} / delta_embed_expand="
-                f"{self.config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
-                f"got {type(past_key_values).__name__}; pass past_key_values=DeltaStateCache(model.config) or let the "
-                "model create it (use_cache=True)."
-            )
+        else:
+            self.check_window_cache(past_key_values)
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
 
@@ -1046,12 +1090,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                 position_ids=position_ids,
             )
 
-        hidden_states = self.drop(hidden_states)
-        if self.embed_expand is not None:
-            hidden_states = self.embed_expand(hidden_states, delta_context)
-        elif self.value_channels > 1:
-            # X_0 = embedding repeated over the value channels: a view, no copy.
-            hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
+        hidden_states = self.expand_state(self.drop(hidden_states), delta_context)
 
         for block in self.h:
             hidden_states, *_ = block(
@@ -1065,12 +1104,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
             )
 
         final_state = hidden_states
-        if self.read_out_conv is not None:
-            read = self.read_out if self.value_channels > 1 else None
-            hidden_states = self.read_out_conv(hidden_states, read, delta_context, "read_out")
-        elif self.value_channels > 1:
-            hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
-        hidden_states = self.ln_f(hidden_states)
+        hidden_states = self.ln_f(self.read_state_out(hidden_states, delta_context))
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
 
         return DeltaGPTModelOutput(
@@ -1118,17 +1152,7 @@ class DeltaGPTModel(DeltaGPTPreTrainedModel):
                     f"position_ids reach {highest}, but the model has n_positions={n_positions}; "
                     "truncate the input or pass smaller position_ids."
                 )
-        if input_ids is not None and input_ids.numel():
-            if input_ids.numel() == 1:  # decoding one sequence: one host read, no reduction
-                low = high = int(input_ids)
-            else:
-                low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host transfer, not two
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) "
-                    f"(found {low}..{high}). Use the tokenizer the model was trained with, or call "
-                    "model.resize_token_embeddings(len(tokenizer)) after adding tokens."
-                )
+        check_token_ids(input_ids, self.config.vocab_size)
         if attention_mask is not None and attention_mask.ndim == 2:
             expected = (batch_size, past_len + seq_len)
             if tuple(attention_mask.shape) != expected:

@@ -50,9 +50,10 @@ from .modeling_delta_gpt import (
     DeltaSite,
     DeltaStateCache,
     DeltaStateConv,
-    DeltaWindowsMixin,
+    DeltaStateMixin,
     _hidden_states_contract,
     _with_delta_outputs,
+    check_token_ids,
     packed_document_starts,
 )
 
@@ -218,7 +219,7 @@ class DeltaLlamaPreTrainedModel(DeltaGPTPreTrainedModel):
             init.constant_(module.read_out, 1.0 / module.value_channels)
 
 
-class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
+class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
     def __init__(self, config: DeltaLlamaConfig):
         super().__init__(config)
         config.validate_delta_residual()
@@ -282,27 +283,15 @@ class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
         hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `_hidden_states_contract`
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if input_ids is not None and input_ids.numel() and not torch.compiler.is_compiling():
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids contain token ids outside [0, vocab_size={self.config.vocab_size}) (found "
-                    f"{low}..{high}). Use the model's own tokenizer, or call model.resize_token_embeddings("
-                    "len(tokenizer)) after adding tokens."
-                )
+        if not torch.compiler.is_compiling():
+            check_token_ids(input_ids, self.config.vocab_size)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         temporal = self.config.delta_temporal
         if use_cache and past_key_values is None:
             past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
-        if temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
-            raise TypeError(
-                f"delta_state_read={self.config.delta_state_read!r} / delta_embed_expand="
-                f"{self.config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
-                f"got {type(past_key_values).__name__}; pass past_key_values=DeltaStateCache(model.config) or let the "
-                "model create it (use_cache=True)."
-            )
+        self.check_window_cache(past_key_values)
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         batch_size, seq_len = inputs_embeds.shape[:2]
 
@@ -337,11 +326,7 @@ class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        if self.embed_expand is not None:
-            hidden_states = self.embed_expand(hidden_states, delta_context)
-        elif self.value_channels > 1:
-            # X_0 = embedding repeated over the value channels: a view, no copy.
-            hidden_states = hidden_states.unsqueeze(-1).expand(*hidden_states.shape, self.value_channels)
+        hidden_states = self.expand_state(hidden_states, delta_context)
 
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states, *_ = decoder_layer(
@@ -356,12 +341,7 @@ class DeltaLlamaModel(DeltaLlamaPreTrainedModel):
             )
 
         final_state = hidden_states
-        if self.read_out_conv is not None:
-            read = self.read_out if self.value_channels > 1 else None
-            hidden_states = self.read_out_conv(hidden_states, read, delta_context, "read_out")
-        elif self.value_channels > 1:
-            hidden_states = hidden_states @ self.read_out.to(hidden_states.dtype)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(self.read_state_out(hidden_states, delta_context))
         return DeltaLlamaModelOutput(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
