@@ -39,42 +39,53 @@ MODELS = ["gpt2", "d_v=1 additive", "d_v=1 paper", "d_v=4 additive", "d_v=4 pape
 PROMPT_TOKENS = 16
 
 
+def build_model(shape: dict, name: str):
+    """One row's model: GPT-2, or the DeltaGPT `d_v=D MODE` sharing its weights (bench_overhead's `build_pair`)."""
+    from bench_overhead import build_pair
+
+    if name == "gpt2":
+        return build_pair(shape, 1, "additive")[0].eval()
+    d_v, mode = name.removeprefix("d_v=").split()
+    return build_pair(shape, int(d_v), mode)[1].eval()
+
+
+def generate(model, prompt, tokens: int) -> None:
+    """Greedy decoding of exactly `tokens` new tokens with the KV cache, batch 1."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out.shape[1] == prompt.shape[1] + tokens
+
+
 def child(shape_name: str, new_tokens: int) -> None:
     """Build every model of one shape and generate when told to: the process that callgrind counts.
 
     Protocol on stdout/stdin: `window MODEL TOKENS` (then waits for a line), generates, `done` (waits again)."""
     import torch
-    from bench_overhead import SHAPES, build_pair
+    from bench_overhead import SHAPES
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     shape = SHAPES[shape_name]
-    models = {"gpt2": build_pair(shape, 1, "additive")[0]}
-    for name in MODELS[1:]:
-        d_v, mode = name.removeprefix("d_v=").split()
-        models[name] = build_pair(shape, int(d_v), mode)[1]
+    models = {name: build_model(shape, name) for name in MODELS}
     prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
 
-    def generate(model: torch.nn.Module, tokens: int) -> None:
-        with torch.inference_mode():
-            out = model.eval().generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert out.shape[1] == PROMPT_TOKENS + tokens
-
     for model in models.values():  # lazy initialisation inside torch and transformers happens here
-        generate(model, 2 + new_tokens)
+        generate(model, prompt, 2 + new_tokens)
     for name, model in models.items():
         for tokens in (1, 1 + new_tokens):
             print(f"window {name} {tokens}", flush=True)
             sys.stdin.readline()
-            generate(model, tokens)
+            generate(model, prompt, tokens)
             print("done", flush=True)
             sys.stdin.readline()
 
@@ -127,7 +138,7 @@ def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
     import collections
 
     import torch
-    from bench_overhead import SHAPES, build_pair
+    from bench_overhead import SHAPES
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(1)
@@ -135,23 +146,11 @@ def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
     prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     results = {}
     for name in MODELS:
-        if name == "gpt2":
-            model = build_pair(shape, 1, "additive")[0]
-        else:
-            d_v, mode = name.removeprefix("d_v=").split()
-            model = build_pair(shape, int(d_v), mode)[1]
-        model.eval()
+        model = build_model(shape, name)
         counts = {}
         for tokens in (2 + new_tokens, 1, 1 + new_tokens):  # the first is the warm-up
-            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                model.generate(
-                    prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    max_new_tokens=tokens,
-                    min_new_tokens=tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                generate(model, prompt, tokens)
             counts[tokens] = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
         by_op = {op: (counts[1 + new_tokens][op] - counts[1][op]) / new_tokens for op in counts[1 + new_tokens]}
         by_op = {op: n for op, n in sorted(by_op.items(), key=lambda item: -item[1]) if n}
