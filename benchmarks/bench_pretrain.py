@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -43,9 +44,10 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 SCRIPT = Path(__file__).resolve()
 
-#: name -> (label, DeltaGPT config fields; None = transformers' GPT2LMHeadModel, the baseline).
+#: name -> (label, Delta config fields; None = the baseline: transformers' GPT2LMHeadModel, or Qwen3ForCausalLM for
+#: --arch llama). "{base}" in a label is the baseline's name (BASE_NAMES).
 VARIANTS: dict[str, tuple[str, dict | None]] = {
-    "gpt2": ("GPT-2 (baseline)", None),
+    "gpt2": ("{base} (baseline)", None),
     "paper_dv1": ("paper d_v=1", dict(delta_mode="paper")),
     "additive_dv1": ("additive d_v=1", dict(delta_mode="additive")),
     "paper_dv4": ("paper d_v=4 linear read", dict(delta_mode="paper", delta_value_channels=4)),
@@ -62,14 +64,14 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     # Ablations: the two large gains come with a short causal convolution over tokens. The same convolution with the
     # Delta gate shut (beta = 0 exactly: GPT-2 whose sublayers read a convolved stream) or trainable, and DeltaNet
     # without its convolution, say how much of each gain is the convolution's.
-    "gpt2_tc": ("GPT-2 + TC read (gate shut, β ≡ 0)", dict(delta_mode="additive", delta_state_read="temporal_conv")),
+    "gpt2_tc": ("{base} + TC read (gate shut, β ≡ 0)", dict(delta_mode="additive", delta_state_read="temporal_conv")),
     "additive_dv1_tc": ("additive d_v=1 TC", dict(delta_mode="additive", delta_state_read="temporal_conv")),
     "delta_net_noconv": ("DeltaNet mixer, no short conv", dict(token_mixer="delta_net", delta_net_conv_size=0)),
     # The same two with the convolutions starting as the identity (delta_init="exact": beta 0, so GPT-2 at step 0)
     # instead of the reference code's average over the window, which left the additive models above at the
     # unigram loss in this budget.
     "gpt2_tc_id": (
-        "GPT-2 + TC read, identity init (gate shut)",
+        "{base} + TC read, identity init (gate shut)",
         dict(delta_mode="additive", delta_state_read="temporal_conv", delta_init="exact"),
     ),
     "additive_dv1_tc_id": (
@@ -77,18 +79,26 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
         dict(delta_mode="additive", delta_state_read="temporal_conv", delta_init="exact"),
     ),
 }
-BASELINE = "gpt2"
+BASELINE = "gpt2"  # the baseline of either arch (GPT-2, or the Llama-style backbone with --arch llama)
+ARCHS = ("gpt2", "llama")
+BASE_NAMES = {"gpt2": "GPT-2", "llama": "Llama-style"}
+
+
+def label(variant: str, arch: str = "gpt2") -> str:
+    return VARIANTS[variant][0].format(base=BASE_NAMES[arch])
+
+
 #: Variants whose Delta gates are shut and frozen (rho = 0, so beta = 0 for every input).
 GATE_SHUT = {"gpt2_tc", "gpt2_tc_id"}
 #: Controls, not candidates: never picked as the best variant for the extra seeds.
 ABLATIONS = {"gpt2_tc", "additive_dv1_tc", "delta_net_noconv", "gpt2_tc_id", "additive_dv1_tc_id"}
-#: Paired differences reported besides those to GPT-2: (variant, control) -> what the difference isolates.
+#: Paired differences reported besides those to the baseline: (variant, control) -> what the difference isolates.
 CONTRASTS = {
     ("additive_dv1_tc", "gpt2_tc"): "the Delta term, same token convolution (additive d_v=1)",
     ("additive_dv1_tc_id", "gpt2_tc_id"): "the Delta term, same identity-initialised token convolution",
-    ("gpt2_tc_id", "gpt2"): "a learnable token convolution added to GPT-2 (identity init)",
-    ("paper_dv4_tc", "gpt2_tc_id"): "the paper's d_v=4 TC model vs GPT-2 with a learnable token convolution",
-    ("paper_dv4_tc", "gpt2_tc"): "the paper's d_v=4 Delta residual vs GPT-2, both reading through a TC",
+    ("gpt2_tc_id", "gpt2"): "a learnable token convolution added to {base} (identity init)",
+    ("paper_dv4_tc", "gpt2_tc_id"): "the paper's d_v=4 TC model vs {base} with a learnable token convolution",
+    ("paper_dv4_tc", "gpt2_tc"): "the paper's d_v=4 Delta residual vs {base}, both reading through a TC",
     ("paper_dv4_tc", "paper_dv4"): "the TC read inside the paper's d_v=4 residual",
     ("delta_net", "delta_net_noconv"): "DeltaNet's short convolution",
 }
@@ -99,7 +109,7 @@ KEEP_BELOW, REFLECT_ABOVE = 0.5, 1.5
 class Preset:
     """Everything that fixes a study's numbers; its hash names the cache folder of its data and runs."""
 
-    vocab_size: int = 512  # calibrated: 2048 ended 1.26 nats below the unigram entropy, 512 ends 1.46 (target 1.5)
+    vocab_size: int = 512  # calibrated with dropout 0.1: 2048 ended 1.26 nats below the unigram entropy, 512 1.46
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -109,6 +119,7 @@ class Preset:
     learning_rate: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.1
+    dropout: float = 0.0  # GPT-2's 0.1 only slows a study that sees each token < once: 3.60, 1.60 below (seed 0)
     eval_every: int = 50
     curve_eval_blocks: int = 48  # validation blocks for the curves (every eval_every steps)
     final_eval_blocks: int = 512  # validation blocks for the final loss and the beta regimes
@@ -117,6 +128,7 @@ class Preset:
     train_corpus: str = "austen"
     eval_corpus: str = "austen-heldout"
     tokenizer: str = "bpe"  # "bpe": trained on the train corpus; "gpt2": GPT-2's own
+    arch: str = "gpt2"  # "gpt2": GPT-2 vs DeltaGPT; "llama": the reference code's backbone vs DeltaLlama
     bf16: bool = False
     recipe: int = 1  # bump when the training code changes what a run computes
 
@@ -316,36 +328,60 @@ def prepare_data(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
 
 
 def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
-    """The baseline GPT-2 at `seed`, and the run's model: that GPT-2, or a DeltaGPT starting from its weights."""
+    """The baseline at `seed`, and the run's model: that baseline, or its Delta version starting from its weights.
+
+    `arch="gpt2"`: GPT2LMHeadModel and DeltaGPT. `arch="llama"`: the reference code's backbone (RoPE, RMSNorm,
+    SwiGLU, QK-norm: transformers' Qwen3 layer, tied embeddings, no biases) and DeltaLlama over it.
+    """
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
     import ddl_hf
 
-    shape = dict(
-        vocab_size=vocab_size,
-        n_positions=preset.block_size,
-        n_embd=preset.n_embd,
-        n_layer=preset.n_layer,
-        n_head=preset.n_head,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=None,
-    )
+    ids = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    if preset.arch == "gpt2":
+        shape = dict(
+            n_positions=preset.block_size,
+            n_embd=preset.n_embd,
+            n_layer=preset.n_layer,
+            n_head=preset.n_head,
+            resid_pdrop=preset.dropout,
+            embd_pdrop=preset.dropout,
+            attn_pdrop=preset.dropout,
+            **ids,
+        )
+        baseline_class, baseline_config = GPT2LMHeadModel, GPT2Config(**shape)
+        delta_class, delta_config = ddl_hf.DeltaGPTForCausalLM, ddl_hf.DeltaGPTConfig
+    else:
+        shape = dict(
+            hidden_size=preset.n_embd,
+            intermediate_size=64 * round(8 * preset.n_embd / 3 / 64),  # SwiGLU at GPT-2's MLP parameter count
+            num_hidden_layers=preset.n_layer,
+            num_attention_heads=preset.n_head,
+            num_key_value_heads=preset.n_head,
+            head_dim=preset.n_embd // preset.n_head,
+            max_position_embeddings=preset.block_size,
+            attention_dropout=preset.dropout,
+            tie_word_embeddings=True,
+            **ids,
+        )
+        baseline_class, baseline_config = Qwen3ForCausalLM, Qwen3Config(**shape)
+        delta_class = ddl_hf.DeltaLlamaForCausalLM
+        delta_config = functools.partial(ddl_hf.DeltaLlamaConfig, source_model_type="qwen3")
     torch.manual_seed(seed)
-    gpt2 = GPT2LMHeadModel(GPT2Config(**shape))
+    baseline = baseline_class(baseline_config)
     overrides = VARIANTS[variant][1]
     if overrides is None:
-        return gpt2
+        return baseline
     torch.manual_seed(seed + 10_000)  # the Delta parameters' own draws, the same for every variant at this seed
-    model = ddl_hf.DeltaGPTForCausalLM(ddl_hf.DeltaGPTConfig(**shape, **overrides))
-    missing, unexpected = model.load_state_dict(gpt2.state_dict(), strict=False)
+    model = delta_class(delta_config(**shape, **overrides))
+    missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
     delta_only = set(missing) <= set(model.delta_parameters()) | {
         n for n in missing if ".attn." in n and overrides.get("token_mixer") == "delta_net"
     }
     mixer_keys = all(".attn." in n for n in unexpected) and overrides.get("token_mixer") == "delta_net"
     if not delta_only or (unexpected and not mixer_keys):
-        raise RuntimeError(f"{variant}: GPT-2 weights do not map onto DeltaGPT: {missing=} {unexpected=}")
+        raise RuntimeError(f"{variant}: baseline weights do not map onto its Delta model: {missing=} {unexpected=}")
     if variant in GATE_SHUT:
         for block in model.delta_residuals().values():
             block.beta_open.data.zero_()
@@ -509,7 +545,7 @@ def load_runs(folder: Path) -> dict[str, dict[int, dict]]:
     return {v: dict(sorted(runs[v].items())) for v in VARIANTS if v in runs}
 
 
-def analyse(runs: dict[str, dict[int, dict]], stats: dict) -> dict[str, Any]:
+def analyse(runs: dict[str, dict[int, dict]], stats: dict, arch: str = "gpt2") -> dict[str, Any]:
     """Per variant: final loss mean/std, paired differences to the baseline at equal steps and equal compute."""
     base = runs[BASELINE]
     base_cost = statistics.median(r["step_cpu_seconds"] for r in base.values())
@@ -519,7 +555,7 @@ def analyse(runs: dict[str, dict[int, dict]], stats: dict) -> dict[str, Any]:
         finals = [by_seed[s]["final_valid_loss"] for s in seeds]
         cost = statistics.median(by_seed[s]["step_cpu_seconds"] for s in seeds)
         row: dict[str, Any] = {
-            "label": VARIANTS[variant][0],
+            "label": label(variant, arch),
             "seeds": seeds,
             "params": by_seed[seeds[0]]["params"],
             "final": dict(zip(("mean", "std"), mean_std(finals))),
@@ -551,7 +587,7 @@ def analyse(runs: dict[str, dict[int, dict]], stats: dict) -> dict[str, Any]:
         paired = sorted(set(runs.get(variant, {})) & set(runs.get(control, {})))
         if len(paired) >= 2:  # a t-interval needs two pairs
             contrasts[f"{variant} - {control}"] = {
-                "meaning": meaning,
+                "meaning": meaning.format(base=BASE_NAMES[arch]),
                 "seeds": paired,
                 "equal_steps": paired_difference(
                     [runs[variant][s]["final_valid_loss"] for s in paired],
@@ -580,9 +616,10 @@ def verdict(d: dict) -> str:
 def markdown(results: dict) -> str:
     analysis, preset, stats = results["analysis"], results["preset"], results["analysis"]["data"]
     rows = analysis["variants"]
-    base = rows[BASELINE]
+    base, name = rows[BASELINE], BASE_NAMES[preset.get("arch", "gpt2")]
+    delta_name = "DeltaGPT" if preset.get("arch", "gpt2") == "gpt2" else "DeltaLlama"
     lines = [
-        "# From scratch: GPT-2 vs DeltaGPT at equal budget",
+        f"# From scratch: {name} vs {delta_name} at equal budget",
         "",
     ]
     if results["runs_done"] < results["runs_planned"]:
@@ -598,15 +635,16 @@ def markdown(results: dict) -> str:
         f"{stats['train_tokens']:,} training tokens), AdamW lr {preset['learning_rate']:g}, cosine, "
         f"{preset['warmup_steps']} warm-up steps, weight decay {preset['weight_decay']:g}.",
         f"Validation: {stats['valid_tokens']:,} tokens of a held-out book; its unigram entropy is "
-        f"**{stats['valid_unigram_entropy']:.3f} nats** (the loss of the best context-free predictor). GPT-2 ends at "
+        f"**{stats['valid_unigram_entropy']:.3f} nats** (the loss of the best context-free predictor). {name} ends at "
         f"{base['final']['mean']:.3f}, {abs(stats['valid_unigram_entropy'] - base['final']['mean']):.2f} nats "
         f"{'below' if base['final']['mean'] < stats['valid_unigram_entropy'] else 'above'} it "
         f"(the study's target was at least 1.5 nats below: "
         f"{'met' if stats['valid_unigram_entropy'] - base['final']['mean'] >= 1.5 else 'missed'}).",
         "",
-        "Differences are variant − GPT-2 per seed (same data order, same initial shared weights), mean and 95% "
-        "t-interval; negative = lower validation loss than GPT-2. *Equal compute*: the variant's validation curve at "
-        "the step where it has spent GPT-2's training CPU time (its measured step cost), against GPT-2 at the end, "
+        f"Differences are variant − {name} per seed (same data order, same initial shared weights), mean and 95% "
+        f"t-interval; negative = lower validation loss than {name}. *Equal compute*: the variant's validation curve "
+        f"at the step where it has spent {name}'s training CPU time (its measured step cost), against {name} at the "
+        "end, "
         f"both on the curves' {preset['curve_eval_blocks']} validation blocks; "
         "a slower variant is then compared before its learning-rate schedule has finished, which is conservative.",
         "",
@@ -671,6 +709,7 @@ def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
     import numpy as np
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    rows, base = results["analysis"]["variants"], BASE_NAMES[results["preset"].get("arch", "gpt2")]
     for variant, by_seed in runs.items():
         curves = [by_seed[s]["curve"] for s in sorted(by_seed)]
         steps = np.array([s for s, _ in curves[0]])
@@ -681,13 +720,12 @@ def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
             if variant == BASELINE
             else dict(lw=1.2, ls="--" if variant in ABLATIONS else "-")
         )
-        (line,) = ax.plot(steps, mean, label=VARIANTS[variant][0], **style)
+        (line,) = ax.plot(steps, mean, label=rows[variant]["label"], **style)
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.15)
     ax.set(xlabel="step", ylabel="validation loss (nats/token)", title="Validation loss (mean ± std over seeds)")
     ax.set_ylim(top=min(ax.get_ylim()[1], results["analysis"]["data"]["valid_unigram_entropy"] + 0.5))
     ax.axhline(results["analysis"]["data"]["valid_unigram_entropy"], ls=":", color="gray", label="unigram entropy")
     ax.legend(fontsize=7)
-    rows = results["analysis"]["variants"]
     names = [v for v in rows if v != BASELINE]
     for i, key in enumerate(("equal_steps", "equal_compute")):
         means = [rows[v][key]["mean"] for v in names]
@@ -697,7 +735,7 @@ def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
         bx.errorbar(means, y, xerr=[lows, highs], fmt="o", capsize=3, label=key.replace("_", " "))
     bx.axvline(0, color="black", lw=0.8)
     bx.set_yticks(np.arange(len(names)), [rows[v]["label"] for v in names], fontsize=8)
-    bx.set(xlabel="Δ validation loss vs GPT-2 (95% CI)", title="Paired difference to GPT-2")
+    bx.set(xlabel=f"Δ validation loss vs {base} (95% CI)", title=f"Paired difference to {base}")
     bx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -708,7 +746,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--quick", action="store_true", help="same as --preset quick (CI-sized)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument(
+        "--arch",
+        choices=ARCHS,
+        default=None,
+        help="gpt2: GPT-2 vs DeltaGPT (default); llama: the reference code's backbone (RoPE, RMSNorm, SwiGLU, "
+        "QK-norm) vs DeltaLlama",
+    )
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: every one the arch supports"
+    )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the preset's)")
     parser.add_argument("--extra-seeds", type=int, default=None, help="more seeds for GPT-2 and the best variant")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
@@ -734,7 +781,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.preset = "quick"
-    if BASELINE not in args.variants:
+    if args.variants is not None and BASELINE not in args.variants:
         parser.error(f"--variants must include the baseline {BASELINE!r}: every comparison is paired with it")
     # What a worker process needs to rebuild the same preset (everything but the worker/report options).
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -746,7 +793,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_preset(args: argparse.Namespace) -> Preset:
     preset = dataclasses.replace(PRESETS[args.preset])
-    for field in ("seeds", "extra_seeds", "steps"):
+    for field in ("seeds", "extra_seeds", "steps", "arch"):
         if getattr(args, field) is not None:
             setattr(preset, field, getattr(args, field))
     types = {f.name: f.type for f in dataclasses.fields(Preset)}
@@ -758,6 +805,16 @@ def resolve_preset(args: argparse.Namespace) -> Preset:
             types[field]
         ]
         setattr(preset, field, kind(value))
+    if preset.arch not in ARCHS:
+        raise SystemExit(f"bench_pretrain: arch {preset.arch!r}: expected one of {ARCHS}")
+    supported = [v for v in VARIANTS if preset.arch == "gpt2" or "token_mixer" not in (VARIANTS[v][1] or {})]
+    if args.variants is None:
+        args.variants = supported
+    elif set(args.variants) - set(supported):
+        raise SystemExit(
+            f"bench_pretrain: --arch {preset.arch} has no DeltaNet token mixer; drop "
+            f"{sorted(set(args.variants) - set(supported))} from --variants"
+        )
     return preset
 
 
@@ -823,7 +880,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs_done": done,
         "runs_planned": planned,
         "wall_seconds": time.time() - started,
-        "analysis": analyse(runs, data["stats"]),
+        "analysis": analyse(runs, data["stats"], preset.arch),
         "runs": runs,
     }
     name = args.name or (
