@@ -154,3 +154,36 @@ def test_preset_key_ignores_the_number_of_seeds_only():
     assert bench_pretrain.Preset(seeds=7, extra_seeds=0).key() == base.key()
     assert bench_pretrain.Preset(steps=901).key() != base.key()
     assert bench_pretrain.Preset(learning_rate=1e-3).key() != base.key()
+
+
+def test_llama_arch_pairs_delta_llama_with_the_reference_backbone(tmp_path):
+    """--arch llama: the baseline is transformers' Qwen3 layer (RoPE, RMSNorm, SwiGLU, QK-norm); every DeltaLlama
+    variant starts from its weights, the identity-initialised control computes it exactly, and the whole study runs."""
+    preset = bench_pretrain.Preset(vocab_size=50, n_layer=2, n_embd=16, n_head=2, block_size=16, arch="llama")
+    base = bench_pretrain.build_models(preset, 50, "gpt2", seed=4).eval()
+    assert type(base).__name__ == "Qwen3ForCausalLM" and hasattr(base.model.layers[0].self_attn, "q_norm")
+    ids = torch.randint(0, 50, (2, 12))
+    for variant in ("paper_dv4_tc", "gpt2_tc_id"):
+        model = bench_pretrain.build_models(preset, 50, variant, seed=4).eval()
+        assert type(model).__name__ == "DeltaLlamaForCausalLM" and model.config.source_model_type == "qwen3"
+        shared = [n for n in model.state_dict() if n in base.state_dict()]
+        assert len(shared) >= 20 and all(torch.equal(model.state_dict()[n], base.state_dict()[n]) for n in shared)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, base(ids).logits)  # gpt2_tc_id: gates shut, identity convolutions
+
+    with pytest.raises(SystemExit, match="no DeltaNet token mixer"):
+        bench_pretrain.main(["--arch", "llama", "--variants", "gpt2", "delta_net", "--report-only"])
+    threads = torch.get_num_threads()
+    small = ["vocab_size=300", "n_layer=1", "n_embd=16", "n_head=2", "block_size=32", "batch_size=2", "eval_every=2"]
+    small += ["curve_eval_blocks=4", "final_eval_blocks=8", "train_corpus=shakespeare-eval"]
+    argv = ["--arch", "llama", "--variants", "gpt2", "additive_dv1", "--seeds", "2", "--extra-seeds", "0"]
+    argv += ["--steps", "2", "--workers", "0", "--cache-dir", str(tmp_path), "--output-dir", str(tmp_path)]
+    try:
+        results = bench_pretrain.main([*argv, "--name", "toy", "--set", *small, "eval_corpus=shakespeare-eval"])
+    finally:
+        torch.set_num_threads(threads)
+    assert results["preset"]["arch"] == "llama" and results["runs_done"] == 4
+    assert results["analysis"]["variants"]["gpt2"]["label"] == "Llama-style (baseline)"
+    report = (tmp_path / "toy.md").read_text()
+    assert report.startswith("# From scratch: Llama-style vs DeltaLlama") and "GPT-2" not in report
+    assert set(results["analysis"]["variants"]["additive_dv1"]["beta_regimes"]) == {"L0.attn", "L0.mlp"}
