@@ -76,6 +76,7 @@ DeltaLlamaConfig.register_for_auto_class("AutoConfig")
 for _auto_class, _model_class in ((AutoModel, DeltaLlamaModel), (AutoModelForCausalLM, DeltaLlamaForCausalLM)):
     _auto_class.register(DeltaLlamaConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
+register_peft_targets(DeltaLlamaConfig.model_type)
 
 __all__ = [
     "ConversionError",

@@ -104,7 +104,9 @@ class DeltaStatsCallback(TrainerCallback):
         self._sums = {}
         blocks = delta_blocks(model)
         if not blocks:
-            raise ValueError("DeltaStatsCallback: the model has no Delta blocks (is it a DeltaGPT model?).")
+            raise ValueError(
+                "DeltaStatsCallback: the model has no Delta blocks (is it a DeltaGPT or DeltaLlama model?)."
+            )
         self._handles = [module.register_forward_hook(self._hook(label)) for label, module in blocks]
 
     def pop_stats(self) -> dict[str, float]:

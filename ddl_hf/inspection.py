@@ -1,5 +1,7 @@
 """`ddl-hf inspect MODEL --text FILE`: which Delta blocks keep, forget (project) or reflect, token by token.
 
+For any Delta causal LM (DeltaGPT, DeltaLlama): the blocks are those the model lists (`delta_residuals`).
+
 Runs the model once with `output_betas=True`, prints a per-block table of beta statistics and writes a heat-map
 PNG of beta by block (rows: layer, attention then MLP) and token (columns).
 """
@@ -70,7 +72,7 @@ class BetaMap:
 @torch.no_grad()
 def beta_map(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int = 64) -> BetaMap:
     """Betas of every Delta block for the first `max_tokens` tokens of `text`."""
-    limit = min(max_tokens, model.config.n_positions)
+    limit = min(max_tokens, model.config.max_position_embeddings)  # GPT-2's n_positions under its common name
     input_ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)["input_ids"]
     if input_ids.shape[1] == 0:
         raise ValueError("The text is empty after tokenization.")
@@ -83,17 +85,25 @@ def beta_map(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: s
 
 
 def load_model_and_tokenizer(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A DeltaGPT causal LM (Hub id or directory) and its tokenizer; GPT-2's tokenizer if none is saved with it."""
+    """A Delta causal LM (DeltaGPT or DeltaLlama; Hub id or directory) and its tokenizer.
+
+    A DeltaGPT saved without one gets GPT-2's tokenizer (its vocabulary is GPT-2's); any other model needs its own,
+    since a Llama-family vocabulary is the checkpoint's.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import ddl_hf  # noqa: F401  (registers DeltaGPT with the Auto classes)
+    import ddl_hf  # noqa: F401  (registers the Delta models with the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(name)
     if find_delta_model(model) is None:
-        raise ValueError(f"{name} is a {type(model).__name__}, not a DeltaGPT model; convert it first.")
+        raise ValueError(
+            f"{name} is a {type(model).__name__}, not a Delta model (DeltaGPT, DeltaLlama); convert it first."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError):
+        if model.config.model_type != "delta_gpt":
+            raise ValueError(f"no tokenizer saved with {name}; save the source model's tokenizer next to it") from None
         from .corpus import gpt2_tokenizer
 
         tokenizer = gpt2_tokenizer()
@@ -110,15 +120,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as error:
         return _fail(f"cannot read {args.text} as UTF-8 text ({error}). Pass --text with a UTF-8 text file.")
     if _looks_local(args.model) and not os.path.isdir(args.model):
-        return _fail(f"no such model directory: {args.model}. Pass a converted DeltaGPT directory or a Hub id.")
+        return _fail(f"no such model directory: {args.model}. Pass a converted Delta model directory or a Hub id.")
     try:
         model, tokenizer = load_model_and_tokenizer(args.model)
         result = beta_map(model, tokenizer, text, max_tokens=args.max_tokens)
     except (OSError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return _fail(
-            f"cannot inspect {args.model}: {first_line}. Pass a DeltaGPT directory written by `ddl-hf convert` "
-            "(or its Hub id) and a non-empty --text."
+            f"cannot inspect {args.model}: {first_line}. Pass a converted DeltaGPT or DeltaLlama directory (or its "
+            "Hub id) and a non-empty --text."
         )
     print(f"beta per Delta block of {args.model} on {args.text} ({len(result.tokens)} tokens)")
     print(result.table())

@@ -71,8 +71,8 @@ class DeltaTrainer(Trainer):
 
     Why: converted models start with every gate exactly closed (beta = 0), and only the opening parameter gets a
     gradient there. A larger learning rate for the few Delta parameters lets gates open within a short fine-tune
-    without changing how the pretrained GPT-2 weights are trained. With `delta_lr_scale=1` the optimizer is plain
-    Trainer's.
+    without changing how the pretrained weights (GPT-2's or a Llama family's) are trained. With `delta_lr_scale=1`
+    the optimizer is plain Trainer's.
 
     With a `DeltaStatsCallback` among the callbacks, the beta statistics are put into each training log entry
     before any callback runs (`log`), so reporting integrations (TensorBoard, W&B; Trainer places them before user

@@ -1,4 +1,5 @@
-"""Find the DeltaGPT inside whatever wraps it (peft, DDP, torch.compile), so tools can ask the model itself.
+"""Find the Delta model (DeltaGPT, DeltaLlama) inside whatever wraps it (peft, DDP, torch.compile), so tools can
+ask the model itself.
 
 The model is the one source of truth for what is Delta (`delta_residuals()`, `delta_parameters()`,
 `beta_upper_bounds()`); `DeltaTrainer`, `DeltaStatsCallback` and `ddl-hf inspect` only need to find it.
@@ -11,9 +12,10 @@ from transformers import PreTrainedModel
 
 
 def find_delta_model(model: torch.nn.Module) -> PreTrainedModel | None:
-    """The outermost DeltaGPT `PreTrainedModel` in `model` (itself, or inside a wrapper), or None if there is none.
+    """The outermost Delta `PreTrainedModel` (DeltaGPT, DeltaLlama) in `model` (itself, or inside a wrapper), or
+    None if there is none.
 
-    Works for a DeltaGPT from `ddl_hf` and for one loaded from Hub custom code (a different class object with the
+    Works for a model from `ddl_hf` and for one loaded from Hub custom code (a different class object with the
     same methods).
     """
     for module in model.modules():
