@@ -1,4 +1,5 @@
-"""Overhead of DeltaGPT over transformers' GPT2LMHeadModel of the same shape, measured side by side.
+"""Overhead of DeltaGPT over transformers' GPT2LMHeadModel of the same shape, measured side by side; for the
+Llama-family shapes (`--shapes llama-small smollm-135m`), of DeltaLlama over transformers' LlamaForCausalLM.
 
 Both models live in ONE process. Every timed metric runs A/B pairs after a warm-up, alternating the order inside
 each pair (ABBA...) so slow drift of a noisy machine cancels; we report the median time of each model and the
@@ -21,6 +22,7 @@ timed. `fullgraph=True` makes any graph break in a Delta block an error.
     python benchmarks/bench_overhead.py            # full run: small + GPT-2-small shapes, variant and compiled rows
     python benchmarks/bench_overhead.py --quick    # tiny shape, base rows only, a minute or two
     python benchmarks/bench_overhead.py --quick --shapes small --no-paper-variants   # one shape, for iteration
+    python benchmarks/bench_overhead.py --shapes llama-small --no-compiled           # DeltaLlama vs Llama
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel
+from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import provenance, write_results
 
-from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
 
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
@@ -50,6 +52,32 @@ SHAPES = {
     "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, batch=8, seq=256, memory_batch=8),
     # Training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
+    # Llama-family shapes (issue 15): transformers' LlamaForCausalLM against DeltaLlama over it; RoPE, RMSNorm,
+    # SwiGLU and grouped-query attention (kv_heads). The second is SmolLM-135M's shape (30 narrow layers).
+    "llama-small": dict(
+        arch="llama",
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        kv_heads=2,
+        intermediate=688,
+        vocab_size=8192,
+        batch=8,
+        seq=256,
+        memory_batch=8,
+    ),
+    "smollm-135m": dict(
+        arch="llama",
+        n_layer=30,
+        n_embd=576,
+        n_head=9,
+        kv_heads=3,
+        intermediate=1536,
+        vocab_size=49152,
+        batch=1,
+        seq=256,
+        memory_batch=2,
+    ),
 }
 DELTA_VARIANTS = [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
 # Compiled rows (both models compiled): the goal is stated at d_v = 1; d_v = 4 paper for reference.
@@ -77,7 +105,18 @@ PAPER_VARIANTS = [
 ]
 
 
-def gpt2_config(shape: dict) -> GPT2Config:
+def base_config(shape: dict) -> GPT2Config | LlamaConfig:
+    """The baseline's config: GPT-2, or Llama for the Llama-family shapes."""
+    if shape.get("arch") == "llama":
+        return LlamaConfig(
+            num_hidden_layers=shape["n_layer"],
+            hidden_size=shape["n_embd"],
+            num_attention_heads=shape["n_head"],
+            num_key_value_heads=shape["kv_heads"],
+            intermediate_size=shape["intermediate"],
+            vocab_size=shape["vocab_size"],
+            max_position_embeddings=1024,
+        )
     return GPT2Config(
         n_layer=shape["n_layer"],
         n_embd=shape["n_embd"],
@@ -89,23 +128,29 @@ def gpt2_config(shape: dict) -> GPT2Config:
 
 def build_pair(
     shape: dict, value_channels: int, mode: str, fields: dict | None = None
-) -> tuple[GPT2LMHeadModel, DeltaGPTForCausalLM]:
-    """GPT-2 and a DeltaGPT sharing every GPT-2 weight (the Delta parameters are extra); `fields`: variant fields."""
+) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """The baseline (GPT-2 or Llama) and its Delta model sharing every baseline weight (the Delta parameters are
+    extra); `fields`: variant fields."""
     torch.manual_seed(0)
-    base_config = gpt2_config(shape)
-    base_config._attn_implementation = "sdpa"
-    gpt2 = GPT2LMHeadModel(base_config)
-    config = DeltaGPTConfig(
-        **{k: v for k, v in base_config.to_dict().items() if k in GPT2Config().to_dict() and k != "model_type"},
+    config = base_config(shape)
+    config._attn_implementation = "sdpa"
+    llama = shape.get("arch") == "llama"
+    base = (LlamaForCausalLM if llama else GPT2LMHeadModel)(config)
+    architecture = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    delta_fields = dict(
         delta_mode=mode,
         delta_value_channels=value_channels,
         delta_beta_init=0.5,  # no shortcut for beta == 0 exists, but use a generic gate anyway
         **(fields or {}),
     )
-    config._attn_implementation = "sdpa"
-    delta = DeltaGPTForCausalLM(config)
-    delta.load_state_dict(gpt2.state_dict(), strict=False)
-    return gpt2, delta
+    if llama:
+        delta_config = DeltaLlamaConfig(source_model_type="llama", **architecture, **delta_fields)
+    else:
+        delta_config = DeltaGPTConfig(**architecture, **delta_fields)
+    delta_config._attn_implementation = "sdpa"
+    delta = (DeltaLlamaForCausalLM if llama else DeltaGPTForCausalLM)(delta_config)
+    delta.load_state_dict(base.state_dict(), strict=False)
+    return base, delta
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -362,8 +407,9 @@ def goal_lines(rows: list[dict]) -> list[str]:
 
 def markdown(results: dict) -> str:
     lines = [
-        "Ratios are DeltaGPT / GPT-2 of process CPU time (lower is better; generation: time per token), median "
-        "of interleaved pairs; peak memory and saved activations at the memory batch.",
+        "Ratios are DeltaGPT / GPT-2 (DeltaLlama / Llama for the Llama-family shapes) of process CPU time (lower "
+        "is better; generation: time per token), median of interleaved pairs; peak memory and saved activations at "
+        "the memory batch. The `gpt2` columns of the JSON hold the baseline of either kind.",
         "",
         "| shape | d_v | mode | variant | train step | inference fwd | gen/token b=1 | gen/token b=8 "
         "| peak train mem | saved activations | params |",
