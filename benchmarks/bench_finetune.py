@@ -40,6 +40,13 @@ VARIANTS: dict[str, tuple[str, dict | None, float]] = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: bench_pretrain's base)")
+    parser.add_argument(
+        "--pretrain-set",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="fine-tune the base that bench_pretrain trains with these --set overrides (e.g. arch=... or dropout=0.1)",
+    )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=128)
@@ -58,17 +65,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_base() -> Path:
-    """The from-scratch study's GPT-2 baseline at seed 0 (cpu preset), trained and kept by bench_pretrain.py."""
+def default_base(pretrain_set: list[str] = ()) -> Path:
+    """The from-scratch study's GPT-2 baseline at seed 0 (cpu preset, `--set pretrain_set`), kept by bench_pretrain."""
     import bench_pretrain
 
-    ns = bench_pretrain.parse_args([])
+    ns = bench_pretrain.parse_args(["--set", *pretrain_set] if pretrain_set else [])
     folder = bench_pretrain.cache_root(ns, bench_pretrain.resolve_preset(ns))
     base = bench_pretrain.run_path(folder, "gpt2", 0).with_suffix("")
     if not (base / "config.json").exists():
         raise SystemExit(
-            f"bench_finetune: no base GPT-2 at {base}. Run `python benchmarks/bench_pretrain.py` first (it trains and "
-            "keeps it), or pass --base with a GPT-2 Hub id or directory."
+            f"bench_finetune: no base GPT-2 at {base}. Run `python benchmarks/bench_pretrain.py"
+            f"{' --set ' + ' '.join(pretrain_set) if pretrain_set else ''}` first (it trains and keeps it), or pass "
+            "--base with a GPT-2 Hub id or directory."
         )
     return base
 
@@ -217,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ddl_hf.corpus import lm_datasets
 
     start = time.time()
-    base_name = args.base or default_base()
+    base_name = args.base or default_base(args.pretrain_set)
     base, tokenizer = load_base(base_name)
     block_size = min(args.block_size, base.config.n_positions)
     data = lm_datasets(
@@ -225,7 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results: dict[str, Any] = {
         "provenance": prov,
-        "base": str(args.base) if args.base else "bench_pretrain.py's GPT-2 baseline, seed 0",
+        "base": str(args.base)
+        if args.base
+        else "bench_pretrain.py's GPT-2 baseline, seed 0"
+        + (f" (--set {' '.join(args.pretrain_set)})" * bool(args.pretrain_set)),
         "base_params": sum(p.numel() for p in base.parameters()),
         "budget": {
             "steps": args.steps,
