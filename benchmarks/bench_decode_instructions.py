@@ -90,8 +90,49 @@ def child(shape_name: str, new_tokens: int) -> None:
             sys.stdin.readline()
 
 
-def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, dict[int, int]]:
-    """{model: {new tokens: instructions of that generate call alone}} for one shape."""
+def self_costs(dump: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Self instructions of one callgrind dump by shared object and by function (`object: function`).
+
+    Reads callgrind's format: `ob=` / `fn=` set where the following cost lines go (`cob=` / `cfn=` only name
+    callees; all four may define a compressed `(id) name`), and the cost line after `calls=` is the callee's
+    inclusive cost, which is not the caller's own. The sums over objects equal the dump's total.
+    """
+    import collections
+
+    names: dict[str, dict[str, str]] = {"ob": {}, "fn": {}}
+    current = {"ob": "?", "fn": "?"}
+    by_object: collections.Counter = collections.Counter()
+    by_function: collections.Counter = collections.Counter()
+    callee_cost_next = False
+    for line in dump.splitlines():
+        if line[:1].isdigit() or line[:1] in ("+", "-", "*"):
+            if callee_cost_next:
+                callee_cost_next = False
+                continue
+            cost = int(line.split()[1])
+            by_object[current["ob"]] += cost
+            by_function[f"{current['ob']}: {current['fn']}"] += cost
+            continue
+        key, sep, rest = line.partition("=")
+        if not sep:
+            continue
+        if key == "calls":
+            callee_cost_next = True
+        elif key in ("ob", "cob", "fn", "cfn"):
+            table = names[key.removeprefix("c")]
+            match = re.match(r"\((\d+)\)\s*(.*)", rest)
+            if match:
+                ident, name = match.groups()
+                name = table.setdefault(ident, name) if name else table.get(ident, ident)
+            else:
+                name = rest
+            if key in current:
+                current[key] = Path(name).name if key == "ob" else name
+    return dict(by_object), dict(by_function)
+
+
+def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, dict[int, dict]]:
+    """{model: {new tokens: {"total", "by_object", "by_function"}}}: instructions of that generate call alone."""
     out = folder / f"callgrind-{shape_name}"
     command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     command += [sys.executable, __file__, "--child", shape_name, str(new_tokens)]
@@ -103,7 +144,7 @@ def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, d
     def control(*flags: str) -> None:
         subprocess.run(["callgrind_control", *flags, str(child_process.pid)], check=True, capture_output=True)
 
-    counts: dict[str, dict[int, int]] = {}
+    counts: dict[str, dict[int, dict]] = {}
     dumps = 0
     try:
         for line in child_process.stdout:
@@ -120,7 +161,11 @@ def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, d
             control("--dump")
             dumps += 1
             text = Path(f"{out}.{dumps}").read_text()
-            counts.setdefault(name, {})[int(tokens)] = int(re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)[1])
+            total = int(re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)[1])
+            by_object, by_function = self_costs(text)
+            if sum(by_object.values()) != total:
+                raise RuntimeError(f"callgrind dump not understood: {sum(by_object.values())} != {total}")
+            counts.setdefault(name, {})[int(tokens)] = dict(total=total, by_object=by_object, by_function=by_function)
             child_process.stdin.write("next\n")
             child_process.stdin.flush()
     finally:
@@ -186,6 +231,25 @@ def markdown(results: dict) -> str:
         if row["model"] != "gpt2":
             added = ", ".join(f"{op.removeprefix('aten::')} {n:g}" for op, n in row["added_ops_per_block"][:8])
             lines.append(f"| {row['shape']} | {row['model']} | {row['added_per_block']:.1f} | {added} |")
+    lines += [
+        "",
+        "Where each Delta block's added instructions go (callgrind self cost, DeltaGPT − GPT-2 per decoding step, "
+        "divided by 2 x layers), by shared object, then the functions that add most:",
+        "",
+        "| shape | model | added instructions per Delta block | by object (share) | top functions (instructions) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        if row["model"] == "gpt2" or "added_instructions_by_object" not in row:
+            continue
+        total = sum(n for _, n in row["added_instructions_by_object"])
+        objects = ", ".join(
+            f"{name} {n / total:.0%}" for name, n in row["added_instructions_by_object"][:5] if n / total >= 0.01
+        )
+        functions = "; ".join(
+            f"`{name.split(': ', 1)[-1][:60]}` {n:,.0f}" for name, n in row["added_instructions_by_function"][:6]
+        )
+        lines.append(f"| {row['shape']} | {row['model']} | {total:,.0f} | {objects} | {functions} |")
     return "\n".join(lines) + "\n"
 
 
@@ -213,13 +277,21 @@ def main() -> None:
             counts = measure_shape(shape, args.new_tokens, Path(tmp))
             ops = count_ops(shape, args.new_tokens)
             for model in MODELS:
-                per_token = (counts[model][1 + args.new_tokens] - counts[model][1]) / args.new_tokens
+                first, last = counts[model][1], counts[model][1 + args.new_tokens]
+
+                def per_token(key: str, first=first, last=last) -> dict[str, float]:
+                    names = set(first[key]) | set(last[key])
+                    diff = {n: (last[key].get(n, 0) - first[key].get(n, 0)) / args.new_tokens for n in names}
+                    return {n: v for n, v in diff.items() if v}
+
                 rows.append(
                     {
                         "shape": shape,
                         "model": model,
-                        "per_token": per_token,
-                        "windows": counts[model],
+                        "per_token": (last["total"] - first["total"]) / args.new_tokens,
+                        "windows": {tokens: window["total"] for tokens, window in counts[model].items()},
+                        "by_object": per_token("by_object"),
+                        "by_function": per_token("by_function"),
                         "ops_per_token": ops[model]["per_token"],
                         "ops_by_op": ops[model]["by_op"],
                     }
@@ -232,6 +304,12 @@ def main() -> None:
         row["added_per_block"] = (row["ops_per_token"] - base["ops_per_token"]) / blocks
         added = {op: (n - base["ops_by_op"].get(op, 0)) / blocks for op, n in row["ops_by_op"].items()}
         row["added_ops_per_block"] = sorted(((op, n) for op, n in added.items() if n > 0), key=lambda x: -x[1])
+        for key in ("by_object", "by_function"):  # instructions per Delta block, by where they are spent
+            names = set(row[key]) | set(base[key])
+            added = {n: (row[key].get(n, 0) - base[key].get(n, 0)) / blocks for n in names}
+            row[f"added_instructions_{key}"] = sorted(added.items(), key=lambda x: -x[1])[:25]
+    for row in rows:  # the per-function tables are only kept as the added top 25
+        row.pop("by_function")
     results = {"provenance": prov, "new_tokens": args.new_tokens, "rows": rows}
     write_results(args.out, args.name, results, markdown(results))
     print(markdown(results))

@@ -1,0 +1,47 @@
+"""benchmarks/bench_decode_instructions.py: its reading of callgrind's output format, on a dump written by hand."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_decode_instructions  # noqa: E402
+
+# Two objects, three functions. `main` costs 10 + 5 itself and calls `work` (inclusive 100, not main's own);
+# `work` costs 60 + 40 itself; `helper` (libc, first named as a callee) costs 7. Compressed names: `(1)` etc.
+DUMP = """\
+version: 1
+creator: callgrind-3.19.0
+events: Ir
+summary: 122
+
+ob=(1) /usr/lib/libtorch_cpu.so
+fl=(1) ???
+fn=(1) main
+0 10
++1 5
+cob=(2) /lib/x86_64-linux-gnu/libc.so.6
+cfi=(1)
+cfn=(2) helper
+calls=1 0
+* 7
+cfn=(3) work
+calls=2 0
+* 100
+fn=(3)
+0 60
+-1 40
+ob=(2)
+fn=(2)
+0 7
+totals: 122
+"""
+
+
+def test_self_costs_split_the_total_by_object_and_function_without_callee_costs():
+    by_object, by_function = bench_decode_instructions.self_costs(DUMP)
+    # main's own 15, work's 100 (its callers' inclusive lines are not counted again), helper's 7: 122 in all.
+    assert by_object == {"libtorch_cpu.so": 115, "libc.so.6": 7}
+    assert by_function == {"libtorch_cpu.so: main": 15, "libtorch_cpu.so: work": 100, "libc.so.6: helper": 7}
+    assert sum(by_object.values()) == 122
