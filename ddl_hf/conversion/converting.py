@@ -52,9 +52,10 @@ def _check_gpt2_config(config, source_name: str) -> None:
         )
     if model_type in DELTA_LLAMA_FAMILIES:
         raise ConversionError(
-            f"{source_name} is a {model_type} checkpoint; this path converts GPT-2 only. Convert it with "
-            f"ddl_hf.convert_llama({source_name}) and save the result with save_pretrained (the CLI and the "
-            "verified Hub-ready output are GPT-2 only so far; docs/llama.md)."
+            f"{source_name} is a {model_type} checkpoint; convert_gpt2 converts GPT-2 only. Convert it with "
+            f"ddl_hf.convert_llama({source_name}), or write a verified Hub repository with "
+            "ddl_hf.convert_checkpoint / `ddl-hf convert --source`, which pick the family from the config "
+            "(docs/llama.md)."
         )
     if model_type != "gpt2":
         raise ConversionError(
