@@ -21,18 +21,23 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 
 DELTA_MODE_HELP = (
-    "additive (default): keep GPT-2's x + F(x) and add the Delta term, so beta = 0 is exactly GPT-2; "
+    "additive (default): keep the source's x + F(x) and add the Delta term, so beta = 0 is exactly the source; "
     "paper: the paper's eq. 2.5, where beta = 0 makes every block the identity"
 )
 CONVERT_DESCRIPTION = (
-    "Convert a GPT-2 checkpoint (Hub id or directory) into a DeltaGPT that starts equivalent to it, "
-    "write a complete Hub repository to OUT, and print a verification report."
+    "Convert a GPT-2 checkpoint (into a DeltaGPT) or a Llama, Mistral, Qwen2 or Qwen3 checkpoint (into a DeltaLlama), "
+    "a Hub id or a directory, into a Delta model that starts equivalent to it, write a complete Hub repository to OUT, "
+    "and print a verification report. The family is read from the source's config."
 )
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `convert`, shared by `ddl-hf convert` and `convert-gpt2-to-delta-gpt`."""
-    parser.add_argument("--source", required=True, help="Hub id (gpt2, gpt2-medium, ...) or local GPT-2 directory")
+    parser.add_argument(
+        "--source",
+        required=True,
+        help="Hub id (gpt2, Qwen/Qwen2.5-0.5B, ...) or directory of a GPT-2, Llama, Mistral, Qwen2 or Qwen3 model",
+    )
     parser.add_argument("--output", required=True, help="output directory (a complete Hub repository)")
     parser.add_argument("--delta-mode", choices=DELTA_MODES, default=DELTA_MODES[0], help=DELTA_MODE_HELP)
     parser.add_argument("--value-channels", type=int, default=1, help="d_v, value channels of the state (default 1)")
@@ -92,7 +97,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def add_convert_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `convert` to a `ddl-hf` style command line."""
     parser = subparsers.add_parser(
-        "convert", help="convert a GPT-2 checkpoint into a DeltaGPT Hub repository", description=CONVERT_DESCRIPTION
+        "convert",
+        help="convert a GPT-2 or Llama-family checkpoint into a Delta model Hub repository",
+        description=CONVERT_DESCRIPTION,
     )
     add_convert_arguments(parser)
     return parser

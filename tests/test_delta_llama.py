@@ -357,11 +357,10 @@ def test_package_exports():
     assert exported <= set(ddl_hf.__all__)
 
 
-def test_cli_convert_of_a_llama_family_checkpoint_points_to_convert_llama(tmp_path, capsys):
-    from ddl_hf import cli
-
+def test_convert_gpt2_points_a_llama_family_checkpoint_to_convert_llama_and_the_cli(tmp_path):
+    """convert_gpt2 stays GPT-2 only and names both ways that take the family; `ddl-hf convert` of Llama-family
+    checkpoints is tested in test_delta_llama_conversion.py."""
     build_source("mistral").save_pretrained(tmp_path / "source")
-    code = cli.main(["convert", "--quiet", "--source", str(tmp_path / "source"), "--output", str(tmp_path / "out")])
-    error = capsys.readouterr().err
-    assert code != 0 and "mistral checkpoint" in error and "ddl_hf.convert_llama(" in error
-    assert not (tmp_path / "out").exists()
+    pointer = r"mistral checkpoint.*ddl_hf\.convert_llama\(.*`ddl-hf convert --source`"
+    with pytest.raises(ConversionError, match=pointer):
+        ddl_hf.convert_gpt2(tmp_path / "source")

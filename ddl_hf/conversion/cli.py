@@ -1,6 +1,8 @@
 """`ddl-hf convert` (also the console command `convert-gpt2-to-delta-gpt`): arguments in, report or one error out.
 
-The only place in the conversion package that prints; the flags are defined in `ddl_hf_cli` (no torch import).
+GPT-2 sources become DeltaGPT, Llama / Mistral / Qwen2 / Qwen3 sources DeltaLlama: `convert_checkpoint` picks the
+family from the source's config. The only place in the conversion package that prints; the flags are defined in
+`ddl_hf_cli` (no torch import).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 from ddl_hf_cli import add_convert_subcommand
 
 from ..configuration_delta_gpt import DELTA_EMBED_EXPANDS, DELTA_GATES, DELTA_STATE_READS, DELTA_VALUES
-from .converting import looks_like_path
+from .converting import looks_like_path, read_source_config
 from .errors import ConversionError
+from .families import conversion_path, source_model_type
 from .hub import convert_checkpoint, push_converted_to_hub
 
 
@@ -29,23 +32,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
     `kill PID` is handled like Ctrl-C (`convert_checkpoint` turns SIGTERM into KeyboardInterrupt while it writes).
     """
-    source_shown = "path/to/gpt2" if looks_like_path(args.source) else args.source  # no machine paths in the card
-    command = (
-        f"convert-gpt2-to-delta-gpt --source {source_shown} --output OUT --delta-mode {args.delta_mode} "
-        f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
-        + (f" --gate {args.gate}" if args.gate != DELTA_GATES[0] else "")
-        + "".join(
-            f" --{flag} {value}"
-            for flag, value, default in (
-                ("state-read", args.state_read, DELTA_STATE_READS[0]),
-                ("embed-expand", args.embed_expand, DELTA_EMBED_EXPANDS[0]),
-                ("conv-size", args.conv_size, 4),
-                ("value", args.value, DELTA_VALUES[0]),
-            )
-            if value != default
-        )
-        + (" --no-erase" if args.no_erase else "")
-    )
+    try:
+        command = recorded_command(args)
+    except ConversionError as error:  # the source's config cannot be read, or is of no family that converts
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     if args.push_to_hub and not args.base_model and os.path.exists(args.source):
         print(
             f"note: {args.source} is a local path, so the model card has no base_model; pass --base-model HUB_ID "
@@ -106,4 +97,33 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_cli", "run_cli"]
+def recorded_command(args: argparse.Namespace) -> str:
+    """The command the model card shows: `convert-gpt2-to-delta-gpt` for a GPT-2 source, `ddl-hf convert` for a
+    Llama-family one, with the flags that differ from their defaults and no machine paths.
+
+    Reads the source's config (the same reader as the conversion, so the same errors) to name its family.
+    """
+    config = read_source_config(args.source, "GPT-2 or Llama-family")
+    conversion_path(config, repr(args.source))  # refuses a family that does not convert, before any output
+    family = source_model_type(config)
+    program = "convert-gpt2-to-delta-gpt" if family == "gpt2" else "ddl-hf convert"
+    source_shown = f"path/to/{family}" if looks_like_path(args.source) else args.source  # no machine paths
+    return (
+        f"{program} --source {source_shown} --output OUT --delta-mode {args.delta_mode} "
+        f"--value-channels {args.value_channels} --beta-init {args.beta_init:g} --dtype {args.dtype}"
+        + (f" --gate {args.gate}" if args.gate != DELTA_GATES[0] else "")
+        + "".join(
+            f" --{flag} {value}"
+            for flag, value, default in (
+                ("state-read", args.state_read, DELTA_STATE_READS[0]),
+                ("embed-expand", args.embed_expand, DELTA_EMBED_EXPANDS[0]),
+                ("conv-size", args.conv_size, 4),
+                ("value", args.value, DELTA_VALUES[0]),
+            )
+            if value != default
+        )
+        + (" --no-erase" if args.no_erase else "")
+    )
+
+
+__all__ = ["add_cli", "recorded_command", "run_cli"]

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, PreTrainedConfig
 from transformers.utils import logging as hf_logging
 
 from ..configuration_delta_gpt import DeltaGPTConfig
@@ -52,9 +52,10 @@ def _check_gpt2_config(config, source_name: str) -> None:
         )
     if model_type in DELTA_LLAMA_FAMILIES:
         raise ConversionError(
-            f"{source_name} is a {model_type} checkpoint; this path converts GPT-2 only. Convert it with "
-            f"ddl_hf.convert_llama({source_name}) and save the result with save_pretrained (the CLI and the "
-            "verified Hub-ready output are GPT-2 only so far; docs/llama.md)."
+            f"{source_name} is a {model_type} checkpoint; convert_gpt2 converts GPT-2 only. Convert it with "
+            f"ddl_hf.convert_llama({source_name}), or write a verified Hub repository with "
+            "ddl_hf.convert_checkpoint / `ddl-hf convert --source`, which pick the family from the config "
+            "(docs/llama.md)."
         )
     if model_type != "gpt2":
         raise ConversionError(
@@ -165,6 +166,41 @@ def hub_kwargs(name: str) -> dict:
     return {} if os.path.isdir(name) or hub_reachable() else {"local_files_only": True}
 
 
+#: What `read_source_config`'s messages call a source of each kind, and the class that writes such a directory.
+_SOURCE_KINDS = {
+    "GPT-2": ("a Hub id such as 'gpt2'", "GPT2LMHeadModel.save_pretrained"),
+    "Llama-family": ("a Hub id such as 'Qwen/Qwen2.5-0.5B'", "LlamaForCausalLM.save_pretrained (Mistral, Qwen2, ...)"),
+    "GPT-2 or Llama-family": ("a Hub id such as 'gpt2' or 'Qwen/Qwen2.5-0.5B'", "save_pretrained"),
+}
+
+
+def read_source_config(source: str | os.PathLike, kind: str = "GPT-2") -> PreTrainedConfig:
+    """The config of a Hub id or directory, or a ConversionError naming the fix (no such directory, Hub unreachable
+    and not cached, no readable config.json). `kind` ("GPT-2", "Llama-family", "GPT-2 or Llama-family") is what the
+    messages ask for. The one place every loader and `convert_checkpoint` read a source's config."""
+    name = os.fspath(source)
+    example_id, writer = _SOURCE_KINDS[kind]
+    if not os.path.isdir(name) and looks_like_path(name):
+        raise ConversionError(
+            f"No such directory: {name!r}. Pass an existing local {kind} directory (holding config.json and the "
+            f"weights) or {example_id}."
+        )
+    hub = hub_kwargs(name)
+    try:
+        return AutoConfig.from_pretrained(name, **hub)
+    except (OSError, ValueError) as error:
+        if hub.get("local_files_only"):
+            raise ConversionError(
+                f"Cannot load {name!r}: the Hugging Face Hub is unreachable (no network, or HF_HUB_OFFLINE=1) and "
+                f"{name!r} is not in the local Hugging Face cache. Pass a local {kind} directory instead (for "
+                f"example one written by {writer}), or run once online to fill the cache."
+            ) from error
+        raise ConversionError(
+            f"Cannot read a model config from {name!r}: {error}\nPass {example_id} (this needs network "
+            "access or a copy in the Hugging Face cache) or a local directory containing config.json."
+        ) from error
+
+
 def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> GPT2LMHeadModel:
     """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
 
@@ -172,26 +208,9 @@ def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto
     that claims equivalence must instead refuse and list them.
     """
     name = os.fspath(source)
-    if not os.path.isdir(name) and looks_like_path(name):
-        raise ConversionError(
-            f"No such directory: {name!r}. Pass an existing local GPT-2 directory (holding config.json and the "
-            "weights) or a Hub id such as 'gpt2'."
-        )
-    hub = hub_kwargs(name)
-    try:
-        config = AutoConfig.from_pretrained(name, **hub)
-    except (OSError, ValueError) as error:
-        if hub.get("local_files_only"):
-            raise ConversionError(
-                f"Cannot load {name!r}: the Hugging Face Hub is unreachable (no network, or HF_HUB_OFFLINE=1) and "
-                f"{name!r} is not in the local Hugging Face cache. Pass a local GPT-2 directory instead (for "
-                "example one written by GPT2LMHeadModel.save_pretrained), or run once online to fill the cache."
-            ) from error
-        raise ConversionError(
-            f"Cannot read a model config from {name!r}: {error}\nPass a Hub id such as 'gpt2' (this needs network "
-            "access or a copy in the Hugging Face cache) or a local directory containing config.json."
-        ) from error
+    config = read_source_config(name, "GPT-2")
     _check_gpt2_config(config, repr(name))
+    hub = hub_kwargs(name)
     try:
         with _quiet_transformers():
             # ignore_mismatched_sizes: report wrongly shaped weights by name below instead of a bare error.
@@ -277,4 +296,4 @@ def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTFor
     return model.train(gpt2.training)
 
 
-__all__ = ["DTYPES", "convert_gpt2", "load_gpt2"]
+__all__ = ["DTYPES", "convert_gpt2", "load_gpt2", "read_source_config"]

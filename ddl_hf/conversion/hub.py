@@ -1,8 +1,9 @@
 """The whole job behind `ddl-hf convert`: a complete, verified Hub repository on disk, and its upload.
 
-`convert_checkpoint` converts, writes config (with `auto_map`), the custom-code files, safetensors, tokenizer,
-generation config and model card into an `atomic_directory`, reloads what it wrote and checks it against the
-source, so a failure at any point leaves no partial output. `push_converted_to_hub` uploads that folder as it is.
+`convert_checkpoint` converts (GPT-2 -> DeltaGPT, Llama / Mistral / Qwen2 / Qwen3 -> DeltaLlama, picked from the
+source's config by `families.conversion_path`), writes config (with `auto_map`), the custom-code files, safetensors,
+tokenizer, generation config and model card into an `atomic_directory`, reloads what it wrote and checks it against
+the source, so a failure at any point leaves no partial output. `push_converted_to_hub` uploads that folder as it is.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from ..configuration_delta_gpt import DeltaGPTConfig
-from ..modeling_delta_gpt import DeltaGPTForCausalLM
 from .atomic import atomic_directory
-from .converting import _convert, _quiet_transformers, _resolve_dtype, hub_kwargs, load_gpt2, looks_like_path
+from .converting import _quiet_transformers, _resolve_dtype, hub_kwargs, looks_like_path, read_source_config
 from .errors import ConversionError
+from .families import conversion_path, family_name, source_class_name, source_model_type
 from .verifying import EQUIVALENCE_TOLERANCE, EquivalenceReport, equivalence_report, sample_input_ids
 
 logger = hf_logging.get_logger(__name__)
@@ -39,30 +39,38 @@ LOCAL_LOAD_ID = "path/to/this/directory"
 def model_card(
     base_model: str | None,
     report: EquivalenceReport | None,
-    config: DeltaGPTConfig,
+    config: PreTrainedConfig,
     command: str | None = None,
     load_id: str = LOCAL_LOAD_ID,
 ) -> ModelCard:
     """A model card (README.md) saying what the model is, how it was made, how it checks out, and how to load it.
 
+    `config` is the converted model's (`DeltaGPTConfig`, or `DeltaLlamaConfig` naming its source family).
     `base_model` must be a Hub id or None (the card is published: a local path means nothing to its readers);
     `load_id` is the Hub id shown in the loading examples, a neutral placeholder when it is not pushed.
     """
+    path = conversion_path(config, "The converted model")
+    family, family_type = family_name(config), source_model_type(config)
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model or None,
         pipeline_tag="text-generation",
-        tags=["delta-gpt", "deep-delta-learning", "gpt2", "text-generation", "custom_code"],
+        tags=[path.tag, "deep-delta-learning", family_type, "text-generation", "custom_code"],
     )
     how = command or (
-        f"ddl_hf.convert_checkpoint({base_model or 'path/to/gpt2'!r}, OUT, delta_mode={config.delta_mode!r}, "
+        f"ddl_hf.convert_checkpoint({base_model or f'path/to/{family_type}'!r}, OUT, delta_mode={config.delta_mode!r}, "
         f"value_channels={config.delta_value_channels}, beta_init={config.delta_beta_init})"
     )
     exact = config.delta_mode == "additive" and config.delta_beta_init == 0.0
+    heads = f"{config.num_attention_heads} heads"
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and kv_heads != config.num_attention_heads:
+        heads += f" over {kv_heads} key/value heads"
+    architecture = f"{family} ({config.num_hidden_layers} layers, {config.hidden_size} wide, {heads})"
     body = f"""
-# DeltaGPT converted from {f"`{base_model}`" if base_model else "a GPT-2 checkpoint"}
+# {path.delta_name} converted from {f"`{base_model}`" if base_model else f"a {family} checkpoint"}
 
-A GPT-2 ({config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads) whose every attention and MLP residual
+A {architecture} whose every attention and MLP residual
 is a Deep Delta Learning block (Zhang, Liu, Wang, Gu, *Deep Delta Learning*, arXiv 2601.00417):
 `X' = X [+ F(x) 1^T] + beta k (v^T - k^T X)` with a learned gate beta in [0, 2].
 
@@ -74,10 +82,10 @@ is a Deep Delta Learning block (Zhang, Liu, Wang, Gu, *Deep Delta Learning*, arX
 | gate | `{config.delta_gate}` |
 
 {
-        "With these settings the model computes exactly the function of the source GPT-2 until fine-tuning opens "
-        "the gates."
+        f"With these settings the model computes exactly the function of the source {family} until fine-tuning "
+        "opens the gates."
         if exact
-        else "These settings change the function of the source GPT-2 at step 0; see the perplexity change below."
+        else f"These settings change the function of the source {family} at step 0; see the perplexity change below."
     }
 
 ## How it was made
@@ -88,7 +96,7 @@ Converted with the `ddl_hf` package:
 {how}
 ```
 
-All GPT-2 weights are copied under their own names; the Delta parameters are new. The conversion was verified
+All {family} weights are copied under their own names; the Delta parameters are new. The conversion was verified
 against the source on held-out text before the files were written:
 
 ```
@@ -100,14 +108,14 @@ against the source on held-out text before the files were written:
 With the `ddl_hf` package installed (from its source repository; it is not on PyPI), no remote code is needed:
 
 ```python
-import ddl_hf  # registers DeltaGPT with the Auto classes
+import ddl_hf  # registers {path.delta_name} with the Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{load_id}")
 tokenizer = AutoTokenizer.from_pretrained("{load_id}")
 ```
 
-With only `torch` and `transformers`, the two custom-code files in this repository are used:
+With only `torch` and `transformers`, the custom-code files in this repository are used:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -117,7 +125,7 @@ tokenizer = AutoTokenizer.from_pretrained("{load_id}", trust_remote_code=True)  
 ```
 
 `model(..., output_betas=True).betas` returns the gate of every Delta block. While every gate is closed,
-`ddl_hf.export_to_gpt2(model)` turns the model back into a plain `GPT2LMHeadModel`.
+`ddl_hf.{path.export}(model)` turns the model back into a plain `{source_class_name(config)}`.
 """
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
 
@@ -153,7 +161,7 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def convert_checkpoint(
-    source: str | os.PathLike | GPT2LMHeadModel,
+    source: str | os.PathLike | PreTrainedModel,
     output: str | os.PathLike,
     *,
     delta_mode: str = "additive",
@@ -171,6 +179,9 @@ def convert_checkpoint(
 ) -> EquivalenceReport:
     """Convert `source` and write a complete, verified Hub repository to `output`; return the verification report.
 
+    `source` is a Hub id, a directory or an in-memory causal LM of GPT-2 (converted to DeltaGPT, `convert_gpt2`) or
+    of the Llama, Mistral, Qwen2 or Qwen3 family (converted to DeltaLlama, `convert_llama`); the family is read from
+    its config's `model_type`. `config_overrides` are further fields of the Delta model's config.
     Everything is written to a temporary directory beside `output` (same filesystem, so the final rename is
     atomic), reloaded from there and compared with the source; only then is it renamed to `output`. On any error,
     including KeyboardInterrupt, SIGTERM (on the main thread) or a full disk, the temporary directory is removed and
@@ -180,6 +191,15 @@ def convert_checkpoint(
     """
     output = Path(output).absolute()
     source_name = source if isinstance(source, (str, os.PathLike)) else None
+    if source_name is not None:
+        path = conversion_path(read_source_config(source_name, "GPT-2 or Llama-family"), repr(os.fspath(source_name)))
+    elif isinstance(getattr(source, "config", None), PreTrainedConfig):
+        path = conversion_path(source.config, f"The {type(source).__name__} passed in")
+    else:
+        raise ConversionError(
+            f"source must be a Hub id, a directory or a causal LM of a supported family (GPT2LMHeadModel, "
+            f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), not a {type(source).__name__}."
+        )
     if base_model is None:  # only a Hub id belongs in a published card; a local path is dropped
         name = os.fspath(source_name) if source_name is not None else getattr(source.config, "_name_or_path", "")
         base_model = name if name and not looks_like_path(name) else None
@@ -192,7 +212,7 @@ def convert_checkpoint(
         bar = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
         with contextlib.closing(bar) as stages:
             report = _write_verified(
-                source, source_name, tmp, output, dtype, overrides, max_shard_size, tokenizer, card, stages
+                path, source, source_name, tmp, output, dtype, overrides, max_shard_size, tokenizer, card, stages
             )
             stages.update()
             stages.set_postfix_str("done")
@@ -201,22 +221,23 @@ def convert_checkpoint(
 
 
 def _write_verified(
-    source, source_name, tmp: Path, output: Path, dtype, overrides: dict, max_shard_size, tokenizer, card: dict, stages
+    path, source, source_name, tmp: Path, output: Path, dtype, overrides, max_shard_size, tokenizer, card: dict, stages
 ) -> EquivalenceReport:
-    """Load and convert `source`, write every file into `tmp`, reload and verify them; return the report."""
+    """Load and convert `source` along `path`, write every file into `tmp`, reload and verify them; return the
+    report."""
     torch_dtype = _resolve_dtype(dtype)
     stages.set_postfix_str("loading source")
     if source_name is not None:
-        gpt2 = load_gpt2(source_name, torch_dtype)
+        model_in = path.load(source_name, torch_dtype)
         if tokenizer is None:
             tokenizer = _load_tokenizer(source_name)  # from_pretrained already read generation_config.json
     else:
-        gpt2 = source if torch_dtype == "auto" else copy.deepcopy(source).to(torch_dtype)
-        gpt2.eval()
+        model_in = source if torch_dtype == "auto" else copy.deepcopy(source).to(torch_dtype)
+        model_in.eval()
     stages.update()
 
     stages.set_postfix_str("converting")
-    converted = _convert(gpt2, overrides, share_weights=True)
+    converted = path.convert(model_in, overrides, share_weights=True)
     stages.update()
 
     stages.set_postfix_str("writing weights")
@@ -231,10 +252,10 @@ def _write_verified(
 
     stages.set_postfix_str("verifying the written files")
     with _quiet_transformers():
-        reloaded = DeltaGPTForCausalLM.from_pretrained(tmp, dtype=gpt2.dtype).eval()
-    input_ids, text = sample_input_ids(tokenizer, gpt2.config)
-    report = equivalence_report(gpt2, reloaded, input_ids, eval_text=text)
-    tolerance = EQUIVALENCE_TOLERANCE.get(gpt2.dtype, 1e-4)
+        reloaded = path.delta_class.from_pretrained(tmp, dtype=model_in.dtype).eval()
+    input_ids, text = sample_input_ids(tokenizer, model_in.config)
+    report = equivalence_report(model_in, reloaded, input_ids, eval_text=text)
+    tolerance = EQUIVALENCE_TOLERANCE.get(model_in.dtype, 1e-4)
     if report.expected_equivalent and not (report.max_abs_logit_diff <= tolerance and report.greedy_identical):
         raise ConversionError(
             f"Verification failed: the converted model is not equivalent to the source "
@@ -254,9 +275,12 @@ def push_converted_to_hub(
     *,
     private: bool | None = None,
     token: str | None = None,
-    commit_message: str = "Upload DeltaGPT converted from GPT-2",
+    commit_message: str | None = None,
 ) -> str:
     """Upload a directory written by `convert_checkpoint` as it is (the same files), return the commit URL.
+
+    The default commit message names the model and its source family from config.json, e.g. "Upload DeltaGPT
+    converted from GPT-2" or "Upload DeltaLlama converted from Qwen2".
 
     `model.push_to_hub(repo)` uploads only what `save_pretrained` writes (config, code, weights, generation config)
     plus a model card; `tokenizer.push_to_hub(repo)` adds the tokenizer. This sends every file of the folder in one
@@ -266,12 +290,27 @@ def push_converted_to_hub(
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} is not a converted model directory (no config.json); nothing was uploaded.")
+    if commit_message is None:
+        commit_message = _default_commit_message(folder)
     api = HfApi(token=token)
     repo = api.create_repo(repo_id, private=private, exist_ok=True)
     operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=p) for p in files]
     commit = api.create_commit(repo_id=repo.repo_id, operations=operations, commit_message=commit_message)
     logger.info(f"Uploaded {len(files)} files of {folder} to {repo.repo_id}.")
     return str(getattr(commit, "commit_url", commit))
+
+
+def _default_commit_message(folder: Path) -> str:
+    """ "Upload DeltaLlama converted from Qwen2", read off a converted directory's config."""
+    generic = "Upload a Delta model converted with ddl_hf"
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        path = conversion_path(config, str(folder))
+    except (OSError, ValueError):  # not a config we know: the upload does not depend on the message
+        return generic
+    if config.model_type != path.delta_model_type:
+        return generic
+    return f"Upload {path.delta_name} converted from {family_name(config)}"
 
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "convert_checkpoint", "model_card", "push_converted_to_hub"]

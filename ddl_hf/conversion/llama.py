@@ -12,11 +12,11 @@ import dataclasses
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from ..modeling_delta_llama import DeltaLlamaForCausalLM
-from .converting import CHECKPOINT_KEYS, _quiet_transformers, _resolve_dtype, hub_kwargs, looks_like_path
+from .converting import CHECKPOINT_KEYS, _quiet_transformers, _resolve_dtype, hub_kwargs, read_source_config
 from .errors import ConversionError
 from .exporting import check_exportable
 
@@ -45,7 +45,17 @@ def _delta_llama_config(source_config: PreTrainedConfig, overrides: dict) -> Del
     """The source's config with the Delta fields; unknown override names are refused, not silently carried."""
     family_class = DELTA_LLAMA_FAMILIES[source_config.model_type]
     valid = {f.name for f in dataclasses.fields(family_class)} | {f.name for f in dataclasses.fields(DeltaLlamaConfig)}
+    if overrides.get("token_mixer") == DeltaLlamaConfig.token_mixer:  # the only mixer: nothing to set
+        overrides = {k: v for k, v in overrides.items() if k != "token_mixer"}
     unknown = sorted(set(overrides) - valid)
+    delta_gpt_only = [name for name in unknown if name == "token_mixer" or name.startswith("delta_net_")]
+    if delta_gpt_only:
+        raise ConversionError(
+            f"DeltaLlama has no DeltaNet token mixer, so {', '.join(f'{n}={overrides[n]!r}' for n in delta_gpt_only)} "
+            f"cannot be set: every layer keeps the {family_class.__name__.removesuffix('Config')} attention the "
+            "checkpoint has weights for. Drop these settings, or train a token_mixer='delta_net' DeltaGPT from a "
+            "DeltaGPTConfig."
+        )
     if unknown:
         delta_fields = [name for name in DeltaLlamaConfig.__dataclass_fields__ if name.startswith("delta_")]
         raise ConversionError(
@@ -65,17 +75,9 @@ def load_llama_family(source: str | os.PathLike, dtype: str | torch.dtype | None
     """Load a Llama / Mistral / Qwen2 / Qwen3 causal LM from a Hub id or directory, refusing anything else and any
     checkpoint whose weights do not match its config exactly (missing, unexpected or misshaped weights)."""
     name = os.fspath(source)
-    if not os.path.isdir(name) and looks_like_path(name):
-        raise ConversionError(f"No such directory: {name!r}. Pass an existing local model directory or a Hub id.")
-    hub = hub_kwargs(name)
-    try:
-        config = AutoConfig.from_pretrained(name, **hub)
-    except (OSError, ValueError) as error:
-        raise ConversionError(
-            f"Cannot read a model config from {name!r}: {error}\nPass a Hub id (needs network access or a copy in "
-            "the Hugging Face cache) or a local directory containing config.json."
-        ) from error
+    config = read_source_config(name, "Llama-family")
     _check_family_config(config, repr(name))
+    hub = hub_kwargs(name)
     try:
         with _quiet_transformers():
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -109,13 +111,21 @@ def convert_llama(source: str | os.PathLike | PreTrainedModel, **config_override
 
     Raises `ConversionError` for an unsupported family, unknown or invalid fields, or mismatched weights.
     """
+    return _convert_llama(source, config_overrides, share_weights=False)
+
+
+def _convert_llama(source, config_overrides: dict, share_weights: bool) -> DeltaLlamaForCausalLM:
+    """convert_llama; `share_weights=True` lets the result use an in-memory source's tensors (saves a copy of the
+    weights when the caller owns the source and will not train either model, as `convert_checkpoint` does)."""
     overrides = dict(config_overrides)
     dtype = overrides.pop("dtype", None)
     if isinstance(source, PreTrainedModel):
         _check_family_config(source.config, f"The {type(source).__name__} passed in")
         model_in = source
         dtype = source.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
-        state_dict = {name: tensor.detach().clone() for name, tensor in source.state_dict().items()}
+        state_dict = source.state_dict()
+        if not share_weights:
+            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
     elif isinstance(source, (str, os.PathLike)):
         model_in = load_llama_family(source, "auto" if dtype is None else dtype)
         dtype, state_dict = model_in.dtype, model_in.state_dict()

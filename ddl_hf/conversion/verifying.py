@@ -1,4 +1,6 @@
-"""Does a converted DeltaGPT compute what its source GPT-2 computes? Measure it on held-out tokens.
+"""Does a converted Delta model compute what its source computes? Measure it on held-out tokens.
+
+The same measurement for DeltaGPT against GPT-2 and DeltaLlama against Llama, Mistral, Qwen2 or Qwen3.
 
 `convert_checkpoint` runs this on the files it wrote, before renaming them into place; the report it returns is
 also what the model card and the CLI print.
@@ -10,9 +12,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
-from ..modeling_delta_gpt import DeltaGPTForCausalLM
+from .families import family_name
 
 # Largest |logit difference| accepted when the conversion is meant to be exact (additive mode, beta = 0).
 # In float32 the Delta term is exactly 0, so the measured figure is 0; the bound leaves room for kernels that
@@ -33,7 +35,7 @@ SAMPLE_TEXT = (
 
 @dataclass
 class EquivalenceReport:
-    """How closely a converted DeltaGPT reproduces its source GPT-2 on the same tokens."""
+    """How closely a converted Delta model reproduces its source model on the same tokens."""
 
     max_abs_logit_diff: float
     source_perplexity: float
@@ -47,6 +49,8 @@ class EquivalenceReport:
     value_channels: int = 1
     dtype: str = "float32"
     max_beta: float = 0.0  # largest beta any Delta block produced on the evaluation tokens
+    delta_name: str = "DeltaGPT"  # the converted model's architecture
+    source_family: str = "GPT-2"  # the source's: "GPT-2", "Llama", "Mistral", "Qwen2", "Qwen3"
 
     @property
     def perplexity_change(self) -> float:
@@ -55,7 +59,7 @@ class EquivalenceReport:
 
     @property
     def expected_equivalent(self) -> bool:
-        """Additive mode with every beta = 0 is GPT-2 exactly; any other setting changes the function."""
+        """Additive mode with every beta = 0 is the source model exactly; any other setting changes the function."""
         return self.delta_mode == "additive" and self.max_beta == 0.0
 
     def perplexity_same_to(self, digits: int = 4) -> bool:
@@ -63,7 +67,7 @@ class EquivalenceReport:
 
     def __str__(self) -> str:
         lines = [
-            "Equivalence report (converted DeltaGPT vs source GPT-2)",
+            f"Equivalence report (converted {self.delta_name} vs source {self.source_family})",
             f"  setting                      : delta_mode={self.delta_mode}, value_channels={self.value_channels}, "
             f"beta_init={self.beta_init:g}, dtype={self.dtype}",
             f"  evaluated on                 : {self.eval_tokens} tokens of {self.eval_text}",
@@ -74,10 +78,11 @@ class EquivalenceReport:
             f"  largest beta on these tokens : {self.max_beta:.3g}",
         ]
         if self.delta_mode == "paper" and self.beta_init == 0.0:
+            final_norm = "ln_f" if self.source_family == "GPT-2" else "norm"
             lines.append(
                 "  note: paper mode at beta = 0 makes every Delta block the identity map, so the model starts as "
-                f"embeddings -> ln_f -> lm_head; the perplexity change above ({self.perplexity_change:+.2%}) is the "
-                "cost of that choice until fine-tuning opens the gates."
+                f"embeddings -> {final_norm} -> lm_head; the perplexity change above "
+                f"({self.perplexity_change:+.2%}) is the cost of that choice until fine-tuning opens the gates."
             )
         elif not self.expected_equivalent:
             lines.append(
@@ -89,20 +94,22 @@ class EquivalenceReport:
 
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
     """Mean next-token cross-entropy, computed here the same way for both models (no model-specific loss
-    function, so a GPT-2 whose config has no `loss_type` is not warned about)."""
+    function, so a source whose config has no `loss_type`, like every Hub GPT-2, is not warned about)."""
     shifted = logits[:, :-1].float().flatten(0, 1)
     return torch.nn.functional.cross_entropy(shifted, input_ids[:, 1:].flatten()).item()
 
 
 @torch.no_grad()
 def equivalence_report(
-    source: GPT2LMHeadModel,
-    converted: DeltaGPTForCausalLM,
+    source: PreTrainedModel,
+    converted: PreTrainedModel,
     input_ids: torch.Tensor,
     greedy_tokens: int = 64,
     eval_text: str = "given input_ids",
 ) -> EquivalenceReport:
     """Compare logits and perplexity on `input_ids` [batch, seq], and greedy continuations of its first row.
+
+    `source` is a GPT-2 or Llama-family causal LM, `converted` the DeltaGPT or DeltaLlama made from it.
 
     The prompt for the greedy comparison is the first (up to) 8 tokens; `min_new_tokens` stops EOS from cutting
     the comparison short.
@@ -112,7 +119,7 @@ def equivalence_report(
     betas = converted_out.betas or ()
     max_beta = max((float(b.max()) for b in betas), default=0.0)
     prompt = input_ids[:1, : max(1, min(8, input_ids.shape[1]))]
-    greedy_tokens = max(0, min(greedy_tokens, source.config.n_positions - prompt.shape[1]))
+    greedy_tokens = max(0, min(greedy_tokens, context_length(source.config) - prompt.shape[1]))
     kwargs = dict(max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, do_sample=False, pad_token_id=0)
     if greedy_tokens:
         greedy_identical = bool(torch.equal(source.generate(prompt, **kwargs), converted.generate(prompt, **kwargs)))
@@ -132,12 +139,23 @@ def equivalence_report(
         value_channels=int(config.delta_value_channels),
         dtype=str(converted.dtype).removeprefix("torch."),
         max_beta=max_beta,
+        delta_name=type(converted).__name__.removesuffix("ForCausalLM"),
+        source_family=family_name(source.config),
     )
 
 
-def sample_input_ids(tokenizer, config: GPT2Config, max_tokens: int = 512) -> tuple[torch.Tensor, str]:
+def context_length(config: PreTrainedConfig) -> int:
+    """The positions the model has (GPT-2's `n_positions`, the Llama families' `max_position_embeddings`)."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048  # a config naming neither: enough for the sample text and the greedy comparison
+
+
+def sample_input_ids(tokenizer, config: PreTrainedConfig, max_tokens: int = 512) -> tuple[torch.Tensor, str]:
     """Held-out evaluation tokens: `SAMPLE_TEXT` through the tokenizer, or fixed random ids without one."""
-    limit = min(max_tokens, config.n_positions)
+    limit = min(max_tokens, context_length(config))
     if tokenizer is not None:
         ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :limit]
         if ids.shape[1] >= 2 and int(ids.max()) < config.vocab_size:
