@@ -426,7 +426,7 @@ def markdown(results: dict) -> str:
             f"| {r['peak_train_memory']['ratio']:.3f} | {r['saved_activations']['ratio']:.3f} "
             f"| {r['params']['ratio']:.5f} |"
         )
-    lines += ["", "Absolute medians (GPT-2 → DeltaGPT):", ""]
+    lines += ["", "Absolute medians (baseline → Delta model):", ""]
     lines += [
         "| shape | d_v | mode | variant | train step s | inference fwd s | gen b=1 tok/s | gen b=8 tok/s | peak MB |"
     ]
