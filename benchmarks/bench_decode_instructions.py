@@ -95,7 +95,7 @@ def self_costs(dump: str) -> tuple[dict[str, int], dict[str, int]]:
 
     Reads callgrind's format: `ob=` / `fn=` set where the following cost lines go (`cob=` / `cfn=` only name
     callees; all four may define a compressed `(id) name`), and the cost line after `calls=` is the callee's
-    inclusive cost, which is not the caller's own. The sums over objects equal the dump's total.
+    inclusive cost, which is not the caller's own. The sums over objects equal the total of a finished run's dump.
     """
     import collections
 
@@ -163,7 +163,9 @@ def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, d
             text = Path(f"{out}.{dumps}").read_text()
             total = int(re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)[1])
             by_object, by_function = self_costs(text)
-            if sum(by_object.values()) != total:
+            # A dump of a finished run sums exactly; one taken mid-run (callgrind_control) differs by a few hundred
+            # instructions in ~10^7 (the frames still on the stack); more means the format was misread.
+            if abs(sum(by_object.values()) - total) > 1e-4 * total:
                 raise RuntimeError(f"callgrind dump not understood: {sum(by_object.values())} != {total}")
             counts.setdefault(name, {})[int(tokens)] = dict(total=total, by_object=by_object, by_function=by_function)
             child_process.stdin.write("next\n")

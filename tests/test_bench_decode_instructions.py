@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_decode_instructions  # noqa: E402
+import bench_decode_instructions
 
 # Two objects, three functions. `main` costs 10 + 5 itself and calls `work` (inclusive 100, not main's own);
 # `work` costs 60 + 40 itself; `helper` (libc, first named as a callee) costs 7. Compressed names: `(1)` etc.
@@ -45,3 +50,17 @@ def test_self_costs_split_the_total_by_object_and_function_without_callee_costs(
     assert by_object == {"libtorch_cpu.so": 115, "libc.so.6": 7}
     assert by_function == {"libtorch_cpu.so: main": 15, "libtorch_cpu.so: work": 100, "libc.so.6: helper": 7}
     assert sum(by_object.values()) == 122
+
+
+def test_self_costs_of_a_real_dump_sum_to_its_total(tmp_path):
+    """valgrind on a short Python program: the split covers every instruction callgrind counted."""
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed (the benchmark needs it; the format test above does not)")
+    out = tmp_path / "callgrind.out"
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", "sum(range(999))"]
+    subprocess.run(command, check=True, capture_output=True)
+    dump = out.read_text()
+    total = int(re.search(r"^(?:summary|totals):\s+(\d+)", dump, re.M)[1])
+    by_object, by_function = bench_decode_instructions.self_costs(dump)
+    assert sum(by_object.values()) == sum(by_function.values()) == total
+    assert any(name.startswith(("libpython", "python")) for name in by_object)  # the interpreter is one of them
