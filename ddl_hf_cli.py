@@ -75,7 +75,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `inspect`."""
-    parser.add_argument("model", help="DeltaGPT Hub id or directory")
+    parser.add_argument("model", help="DeltaGPT or DeltaLlama Hub id or directory")
     parser.add_argument("--text", required=True, help="UTF-8 text file to run the model on")
     parser.add_argument("--output", default=None, help="heat-map PNG path (default: <text stem>_betas.png)")
     parser.add_argument("--max-tokens", type=int, default=64, help="number of leading tokens to inspect")
@@ -109,7 +109,7 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
     """Add `inspect` to a `ddl-hf` style command line."""
     parser = subparsers.add_parser(
         "inspect",
-        help="per-layer beta report and heat-map of a DeltaGPT model on a text",
+        help="per-layer beta report and heat-map of a DeltaGPT or DeltaLlama model on a text",
         description="Show which Delta blocks keep (beta<0.5), forget/project (0.5-1.5) or reflect (>1.5).",
     )
     add_inspect_arguments(parser)
@@ -118,7 +118,7 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ddl-hf` parser (light: no torch, no transformers)."""
-    parser = argparse.ArgumentParser(prog="ddl-hf", description="Deep Delta Learning (DeltaGPT) tools.")
+    parser = argparse.ArgumentParser(prog="ddl-hf", description="Deep Delta Learning (DeltaGPT, DeltaLlama) tools.")
     subcommands = parser.add_subparsers(dest="command", required=True)
     add_convert_subcommand(subcommands)
     add_inspect_subcommand(subcommands)

@@ -1,8 +1,8 @@
-"""ddl_hf: Deep Delta Learning for GPT-2 in 🤗 Transformers.
+"""ddl_hf: Deep Delta Learning for GPT-2 (DeltaGPT) and Llama-family decoders (DeltaLlama) in 🤗 Transformers.
 
-Importing this package registers DeltaGPT with the Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)`
-works without `trust_remote_code`, and makes `save_pretrained` write the two Hub custom-code files next to the
-weights, so the saved directory also loads where `ddl_hf` is not installed.
+Importing this package registers both with the Auto classes (and peft's default targets), so
+`AutoModelForCausalLM.from_pretrained(dir)` works without `trust_remote_code`, and makes `save_pretrained` write the
+Hub custom-code files next to the weights, so the saved directory also loads where `ddl_hf` is not installed.
 """
 
 import importlib
