@@ -2,6 +2,7 @@
 
     python benchmarks/bench_pretrain.py --quick      # CI-sized check of the whole pipeline, a few minutes
     python benchmarks/bench_pretrain.py              # the CPU study (bundled corpus, ~1M-parameter models)
+    python benchmarks/bench_pretrain.py --arch llama # the same on the reference code's backbone, vs DeltaLlama
     accelerate launch benchmarks/bench_pretrain.py --preset gpt2-small --dataset NAME_OR_PATH   # GPUs, 124M
 
 Every variant is trained with `Trainer` (`DeltaTrainer` for DeltaGPT, Delta learning rate x1) on the same blocks in
