@@ -46,11 +46,12 @@ FAMILIES = {
 }
 
 
-def build_source(family: str, seed: int = 0):
-    """A tiny random model of `family`, built by transformers' own class (the independent reference)."""
+def build_source(family: str, seed: int = 0, **overrides):
+    """A tiny random model of `family`, built by transformers' own class (the independent reference); `overrides`
+    replace fields of TINY (e.g. a tokenizer's vocabulary)."""
     config_class, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config_class(**TINY, **extra)).eval()
+    return AutoModelForCausalLM.from_config(config_class(**{**TINY, **extra, **overrides})).eval()
 
 
 def to_delta(source, **overrides) -> DeltaLlamaForCausalLM:

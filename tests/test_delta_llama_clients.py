@@ -12,10 +12,13 @@ import contextlib
 import io
 
 import pytest
+import test_delta_llama
 import torch
 from gpt2_fixtures import EOS, byte_tokenizer
 from peft import IA3Config, LoraConfig, TaskType, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, pipeline
+from test_delta_llama import FAMILIES
+from test_peft_defaults import adapted_modules
+from transformers import pipeline
 
 import ddl_hf
 import ddl_hf_cli
@@ -23,19 +26,8 @@ from ddl_hf import DeltaLlamaForCausalLM
 from ddl_hf.callbacks import DeltaStatsCallback, plot_beta_history
 from ddl_hf.training import DeltaTrainer, training_arguments
 
-FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-TINY = dict(
-    vocab_size=EOS + 1,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    bos_token_id=EOS,
-    eos_token_id=EOS,
-)
+#: test_delta_llama's tiny models with the byte tokenizer's vocabulary (ids 0-256, 256 = <|endoftext|>).
+TOKENIZER_FIELDS = dict(vocab_size=EOS + 1, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=None)
 BLOCKS = ("L0.attn", "L0.mlp", "L1.attn", "L1.mlp")
 
 
@@ -45,9 +37,8 @@ def _one_thread(one_torch_thread):
 
 
 def build_source(family: str, seed: int = 0):
-    """A tiny random model of `family`, built by transformers' own class."""
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(FAMILIES[family](**TINY)).eval()
+    """A tiny random model of `family`, built by transformers' own class, that the byte tokenizer can drive."""
+    return test_delta_llama.build_source(family, seed, **TOKENIZER_FIELDS)
 
 
 def set_betas(model: DeltaLlamaForCausalLM, seed: int = 1) -> DeltaLlamaForCausalLM:
@@ -66,17 +57,6 @@ def set_betas(model: DeltaLlamaForCausalLM, seed: int = 1) -> DeltaLlamaForCausa
 
 def random_ids(batch: int = 2, length: int = 10, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, EOS, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def adapted_modules(model: torch.nn.Module, peft_config) -> list[str]:
-    """Names (relative to the base model) of the modules that peft wrapped with an adapter."""
-    peft_model = get_peft_model(model, peft_config)
-    prefix = "base_model.model."
-    return sorted(
-        name.removeprefix(prefix)
-        for name, module in peft_model.named_modules()
-        if hasattr(module, "base_layer") and name.startswith(prefix)
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

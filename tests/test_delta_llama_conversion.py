@@ -24,7 +24,7 @@ from gpt2_fixtures import byte_tokenizer, text_ids
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from test_conversion_cli import _partial_save_then, assert_refused
-from test_delta_llama import FAMILIES, TINY
+from test_delta_llama import FAMILIES, build_source
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EOS = 256  # the byte tokenizer's <|endoftext|>
-#: TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
-SIZE = dict(TINY, vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
+#: test_delta_llama's TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
+SIZE = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 CUSTOM_CODE = (
     "configuration_delta_llama.py",
@@ -50,9 +50,7 @@ HUB_ID = "someone/tiny-mistral"
 
 
 def build(family: str) -> PreTrainedModel:
-    config_class, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config_class(**SIZE, **extra)).eval()
+    return build_source(family, **SIZE)
 
 
 @pytest.fixture(scope="module")
