@@ -119,7 +119,8 @@ def equivalence_report(
     betas = converted_out.betas or ()
     max_beta = max((float(b.max()) for b in betas), default=0.0)
     prompt = input_ids[:1, : max(1, min(8, input_ids.shape[1]))]
-    greedy_tokens = max(0, min(greedy_tokens, context_length(source.config) - prompt.shape[1]))
+    positions = source.config.max_position_embeddings  # GPT-2's n_positions under its common name
+    greedy_tokens = max(0, min(greedy_tokens, positions - prompt.shape[1]))
     kwargs = dict(max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, do_sample=False, pad_token_id=0)
     if greedy_tokens:
         greedy_identical = bool(torch.equal(source.generate(prompt, **kwargs), converted.generate(prompt, **kwargs)))
@@ -144,18 +145,9 @@ def equivalence_report(
     )
 
 
-def context_length(config: PreTrainedConfig) -> int:
-    """The positions the model has (GPT-2's `n_positions`, the Llama families' `max_position_embeddings`)."""
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048  # a config naming neither: enough for the sample text and the greedy comparison
-
-
 def sample_input_ids(tokenizer, config: PreTrainedConfig, max_tokens: int = 512) -> tuple[torch.Tensor, str]:
     """Held-out evaluation tokens: `SAMPLE_TEXT` through the tokenizer, or fixed random ids without one."""
-    limit = min(max_tokens, context_length(config))
+    limit = min(max_tokens, config.max_position_embeddings)  # GPT-2's n_positions under its common name
     if tokenizer is not None:
         ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :limit]
         if ids.shape[1] >= 2 and int(ids.max()) < config.vocab_size:
