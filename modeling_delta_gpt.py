@@ -16,6 +16,7 @@ Self-contained Hub custom-code file: it imports only torch, transformers and its
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,6 +43,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_delta_gpt import DeltaGPTConfig
 from .delta_ops import (
+    _WIDE_FLOATS,
     at_least_float32,
     channel_conv,
     channel_conv_read_weight,
@@ -50,7 +52,9 @@ from .delta_ops import (
     delta_rule_recurrent,
     delta_update,
     fused_delta_update,
+    one_token_delta_update,
     same_document_taps,
+    sigmoid,
     straight_through_clamp,
     temporal_conv,
     unit_direction,
@@ -314,25 +318,27 @@ class DeltaResidual(nn.Module):
             g_max = float(w @ norm.bias.float()) + b + math.sqrt(w.numel()) * float(centred.norm())
         else:
             g_max = float(w.abs().sum()) + b
-        # Stable sigmoid in float64; it reaches 0.0 only below g = -745, where the model's float32 beta is 0 too.
-        sigmoid = 1.0 / (1.0 + math.exp(-g_max)) if g_max >= 0 else math.exp(g_max) / (1.0 + math.exp(g_max))
-        return 2.0 * rho * sigmoid
+        # sigmoid in float64 reaches 0.0 only below g = -745, where the model's float32 beta is 0 too.
+        return 2.0 * rho * sigmoid(g_max)
 
     def read(self, state: torch.Tensor, context: DeltaConvContext | None = None, key: str = "") -> torch.Tensor:
         """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels, after the
         TC / CC convolution if any (`context` and `key` locate its cached window when generating).
 
-        Runs through `self(...)` (see `_reads_in_forward`) whenever it uses a parameter, so that hooks which load this
-        module's weights around its forward (accelerate offload) fire for the read too."""
+        Runs through `self(...)` (see `_reads_in_forward`) whenever it uses a parameter and anything hooks this
+        module, so that hooks which load its weights around its forward (accelerate offload) fire for the read too."""
         if self.read_conv is None and self.value_channels == 1:
             return state
+        if _unhooked(self):  # nn.Module's call machinery costs as much as the read itself when decoding
+            return self._read(state, context, key)
         return self(state, read_from=(context, key))[0]
 
     def _read(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
-        read_weights = getattr(self, "read_weights", None)
-        if self.read_conv is not None:
-            return self.read_conv(state, read_weights, context, key)
-        return state @ read_weights.to(state.dtype)
+        read_weights = self._parameters.get("read_weights")  # from the dicts, as in `_update`
+        read_conv = self._modules.get("read_conv")
+        if read_conv is not None:
+            return read_conv(state, read_weights, context, key)
+        return state @ (read_weights if read_weights.dtype == state.dtype else read_weights.to(state.dtype))
 
     @_reads_in_forward
     def forward(
@@ -355,6 +361,8 @@ class DeltaResidual(nn.Module):
         opening = parameters["beta_open"]
         dtype = opening.dtype  # the model's float dtype, also when a quantizer replaced the Linears
         c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
+        if self._updates_one_token_on_host(state, c, branch_output):
+            return self._update_one_token(state, c, branch_output)
         opening = at_least_float32(opening)
         # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
         rho = (
@@ -376,6 +384,42 @@ class DeltaResidual(nn.Module):
         branch = branch_output if self.additive else None
         return delta_update(state, k, beta, value, branch, self.erase), beta
 
+    def _updates_one_token_on_host(self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor) -> bool:
+        """Whether `_update_one_token` applies: one token at batch 1 (decoding), on the CPU, without autograd, in
+        float32 / float64 throughout, outside compile / export / jit tracing (a host read-back would break the
+        graph), with plain unhooked projections and the linear gate. Everything else takes the tensor path."""
+        modules = self._modules
+        v_proj = modules.get("v_proj")
+        return (
+            self.fused
+            and not torch.is_grad_enabled()
+            and branch_output.numel() == branch_output.shape[-1]
+            and state.device.type == "cpu"
+            and state.dtype in _WIDE_FLOATS
+            and branch_output.dtype == state.dtype
+            and c.dtype == state.dtype
+            and not torch.compiler.is_compiling()
+            and not torch._C._get_tracing_state()
+            and _is_plain_linear(modules["beta_proj"])
+            and (v_proj is None or _is_plain_linear(v_proj))
+        )
+
+    def _update_one_token(
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_update` for one decoded token on the CPU: the gate and value as Python floats, then
+        `one_token_delta_update` (the same math, three tensor ops instead of ~40; docs/performance.md)."""
+        c = c.reshape(-1)
+        rho = min(max(self._parameters["beta_open"].item(), 0.0), 1.0)
+        beta = 2.0 * sigmoid(_matvec(self._modules["beta_proj"], c).item()) * rho
+        v_proj = self._modules.get("v_proj")
+        if v_proj is not None:
+            value = _matvec(v_proj, c)
+        else:
+            value = torch.full((self.value_channels,), self.value_constant, dtype=state.dtype)
+        new_state = one_token_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
+        return new_state, torch.full(branch_output.shape[:-1], beta, dtype=state.dtype)
+
 
 # torch's registries of global module hooks (`register_module_forward_hook`, ...): dicts filled and emptied in place.
 _GLOBAL_MODULE_HOOKS = tuple(
@@ -389,25 +433,43 @@ _GLOBAL_MODULE_HOOKS = tuple(
 )
 
 
-def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`, calling `F.linear` directly where that is exactly what the call would do.
-
-    nn.Module's call machinery costs about as much as the D -> 1 matvec itself when decoding one token (~5 µs on
-    CPU), and every Delta residual makes two such calls. It is skipped only for a plain `nn.Linear` that nothing
-    hooks or wraps; a subclass or replacement (dynamic quantization, LoRA), a hook of the module or a global one
-    (DeepSpeed, pruning), a patched `forward` (accelerate offload) or `module.compile()` take the ordinary call.
-    """
-    if type(module) is nn.Linear and not (
+def _unhooked(module: nn.Module) -> bool:
+    """Whether `module(...)` is exactly its class's `forward`: no hook of the module or a global one (DeepSpeed,
+    pruning, offload), no patched `forward` (accelerate offload) and no `module.compile()`."""
+    if (
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
         or any(_GLOBAL_MODULE_HOOKS)
     ):
-        attributes = module.__dict__  # dict lookups: a miss on the module itself costs an AttributeError
-        if "forward" not in attributes and attributes.get("_compiled_call_impl") is None:
-            parameters = attributes["_parameters"]
-            return nn.functional.linear(x, parameters["weight"], parameters["bias"])
+        return False
+    attributes = module.__dict__  # dict lookups: a miss on the module itself costs an AttributeError
+    return "forward" not in attributes and attributes.get("_compiled_call_impl") is None
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """Whether calling `module(x)` is exactly `F.linear(x, weight, bias)`: an unhooked `nn.Linear` itself, not a
+    subclass or replacement (dynamic quantization, LoRA)."""
+    return type(module) is nn.Linear and _unhooked(module)
+
+
+def _matvec(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`F.linear` of a plain `nn.Linear` on one vector `x` `[D]`, as `addmv` (half the dispatch cost of `F.linear`)."""
+    parameters = linear._parameters
+    weight, bias = parameters["weight"], parameters["bias"]
+    return torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x)
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`, calling `F.linear` directly where that is exactly what the call would do (`_is_plain_linear`).
+
+    nn.Module's call machinery costs about as much as the D -> 1 matvec itself when decoding one token (~5 µs on
+    CPU), and every Delta residual makes two such calls.
+    """
+    if _is_plain_linear(module):
+        parameters = module._parameters
+        return nn.functional.linear(x, parameters["weight"], parameters["bias"])
     return module(x)
 
 
@@ -736,6 +798,14 @@ DeltaGPTSequenceClassifierOutput = _with_delta_outputs(
 DeltaGPTTokenClassifierOutput = _with_delta_outputs("DeltaGPTTokenClassifierOutput", TokenClassifierOutput)
 
 
+def _signature_computed_once(forward):
+    """Store `inspect.signature(forward)` on it: `generate` asks for the signature of a custom-code model's `forward`
+    on every decoding step (a compatibility check for remote code), which costs ~35 µs per token when the
+    decorated function has to be unwrapped and inspected again; a stored `__signature__` answers at once."""
+    forward.__signature__ = inspect.signature(forward)
+    return forward
+
+
 def _hidden_states_contract(forward):
     """Keep transformers' `hidden_states` contract (`[batch, seq_len, hidden_size]`) when the state is expanded.
 
@@ -943,7 +1013,8 @@ class DeltaStateMixin:
         if self.read_out_conv is not None:
             return self.read_out_conv(state, self.read_out if self.value_channels > 1 else None, context, "read_out")
         if self.value_channels > 1:
-            return state @ self.read_out.to(state.dtype)
+            read_out = self._parameters["read_out"]
+            return state @ (read_out if read_out.dtype == state.dtype else read_out.to(state.dtype))
         return state
 
 
@@ -1196,6 +1267,7 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
             )
         model_kwargs["past_key_values"] = DeltaNetCache(self.config) if delta_net else DeltaStateCache(self.config)
 
+    @_signature_computed_once
     @can_return_tuple
     def forward(
         self,

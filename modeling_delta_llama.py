@@ -52,6 +52,7 @@ from .modeling_delta_gpt import (
     DeltaStateConv,
     DeltaStateMixin,
     _hidden_states_contract,
+    _signature_computed_once,
     _with_delta_outputs,
     check_token_ids,
     packed_document_starts,
@@ -372,6 +373,7 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
             )
         model_kwargs["past_key_values"] = DeltaStateCache(self.config)
 
+    @_signature_computed_once
     @can_return_tuple
     def forward(
         self,

@@ -1,1 +1,601 @@
-../delta_ops.py
+"""Deep Delta Learning kernels: the Delta residual update over depth, and the delta rule over time (DeltaNet).
+
+The one place where the Delta math lives. Plain tensor functions, no modules and no parameters, so that every
+model family and every test can share them:
+
+* `delta_update`: the readable reference of the Delta residual write (paper eq. 2.5), and `fused_delta_update`,
+  the same math in fewer passes over memory with a hand-derived backward (what the models run);
+  `one_token_delta_update`, the same again with the per-token scalars on the host (decoding one token on the CPU).
+* `delta_rule_recurrent` / `delta_rule_chunkwise`: DeltaNet's delta rule over the sequence, one token at a time
+  (the reference and the decoding step) and chunkwise-parallel (training and prefill).
+
+Self-contained Hub custom-code file: it imports only torch. `modeling_delta_gpt.py` imports it relatively, and
+transformers' `save_pretrained` copies it next to the weights with the other two code files.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Delta math: the one place where the update rule lives.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def delta_update(
+    state: torch.Tensor,
+    k: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    branch_output: torch.Tensor | None = None,
+    erase: bool = True,
+) -> torch.Tensor:
+    """Delta residual write (paper eq. 2.5): `X + beta k (v^T - k^T X)`, plus `F(x) 1^T` in additive mode.
+
+    Args:
+        state: residual state X, `[..., D]` (d_v = 1) or `[..., D, d_v]`.
+        k: unit-norm direction, `[..., D]`, float32.
+        beta: gate, `[...]`, float32.
+        value: written value v, `[..., d_v]`, float32.
+        branch_output: the sublayer output h `[..., D]` for the additive mode, None for the paper mode.
+        erase: False drops `- k^T X`: the write-only ablation `X + beta k v^T` (the authors list it as open work).
+
+    `k^T X` and the rank-1 coefficient are formed in k's dtype (float32 or wider); the result has the state's
+    dtype. When beta is exactly 0 the Delta term is exactly 0, so the additive mode returns `X + h` bit for bit.
+    """
+    expanded = state.dim() == k.dim() + 1
+    x = state if expanded else state.unsqueeze(-1)  # [..., D, d_v]
+    if erase:
+        k_dot_x = torch.einsum("...d,...dv->...v", k, at_least_float32(x))  # erase: the state's coordinate along k
+        coefficient = beta.unsqueeze(-1) * (value - k_dot_x)  # [..., d_v]: write minus erase, gated
+    else:
+        coefficient = beta.unsqueeze(-1) * value  # write only
+    delta = (k.unsqueeze(-1) * coefficient.unsqueeze(-2)).to(state.dtype)  # rank-1: k (beta (v - k^T X))^T
+    new_state = x if branch_output is None else x + branch_output.unsqueeze(-1)
+    new_state = new_state + delta
+    return new_state if expanded else new_state.squeeze(-1)
+
+
+_WIDE_FLOATS = (torch.float32, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the Delta math: float32 for half precision; float32 and float64 stay (float64 for gradcheck)."""
+    return dtype if dtype in _WIDE_FLOATS else torch.float32
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in `compute_dtype`: half precision upcast to float32, float32 and float64 unchanged."""
+    return x if x.dtype in _WIDE_FLOATS else x.to(torch.float32)
+
+
+def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """k = h / sqrt(|h|^2 + eps^2) in float32: unit norm for any non-negligible h, and 0 (no-op) for h = 0."""
+    h = at_least_float32(h)
+    return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
+
+
+def constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a 0-dim tensor of `like`'s dtype and device, made once and reused.
+
+    `x + 1.0` wraps the Python float into a fresh tensor on every call: on a decode-sized tensor that costs as much
+    as the op itself (~2 µs on CPU). A 0-dim operand of the same dtype gives the same bits (TensorIterator casts a
+    Python float to the op's dtype too). Made outside inference mode, so that autograd may use it later; never
+    written to. While torch.compile / export traces a function that has not run eagerly, a fresh tensor (a graph
+    constant).
+    """
+    key = (value, like.dtype, like.device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        if torch.compiler.is_compiling():
+            return torch.full((), value, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):
+            tensor = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return tensor
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def delta_gate(logit: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """beta = 2 sigmoid(g) rho, the gate of every Delta residual (shaped like the logit, `[..., 1]`).
+
+    `addcmul(0, sigmoid(g), rho, value=2)`: one op for `sigmoid(g) * (rho + rho)`, same bits (the factor 2 is
+    exact in any order), no Python-scalar operand.
+    """
+    return torch.addcmul(constant(0.0, rho), torch.sigmoid(logit), rho, value=2.0)
+
+
+def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """clamp(x, low, high) in the forward pass, identity gradient in the backward pass.
+
+    The gate opening `rho` uses it so that beta can be *exactly* 0 at initialisation (rho = 0) and still receive a
+    gradient there, and so that a gate pushed below 0 can come back when training wants it.
+    """
+    return x.clamp(low, high).detach() + (x - x.detach())  # value exactly clamp(x) (x - x == 0), gradient 1
+
+
+# The fused Delta update: the same math as `delta_update(state, unit_direction(h), ...)` in fewer passes over memory.
+# With k = r h and r = 1 / sqrt(|h|^2 + eps^2), the whole write is one broadcast multiply-add of h:
+#     X' = X + h s^T,   s = r beta (v - r h^T X)  (+ 1 in additive mode),   s in R^{d_v} per token,
+# so k is never materialised. The backward keeps only X and h (X is saved by the next LayerNorm or read anyway)
+# plus per-token scalars, and recomputes the rest:
+#     dX = g - h (r^2 beta h^T g)^T                       (= A^T g, A symmetric)
+#     dk = g c - X (beta k^T g),  c = beta (v - k^T X)
+#     dh = g s + X (-r beta k^T g) - h r^3 (h^T dk)         (chain rule through k = r h; g 1 is in g s)
+#     dbeta = (k^T g) . (v - k^T X),   dv = beta k^T g
+# Without the erase term (write-only) every `k^T X` above is 0: s = r beta v, dX = g and dh loses its X term.
+
+
+def _dot(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h^T x over the hidden dim: `[..., 1]` for a vector x `[..., D]`, `[..., d_v]` for an expanded `[..., D, d_v]`."""
+    if x.dim() == h.dim():
+        return (h * x).sum(-1, keepdim=True)  # what vecdot does on CPU, in fewer dispatches
+    return (h.unsqueeze(-2) @ x).squeeze(-2)  # a batched matvec; cheaper than einsum's set-up when decoding
+
+
+def _outer(h: torch.Tensor, s: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h and s shaped so that `h * s` broadcasts to the rank-1 `h s^T` in the layout of `like`."""
+    if like.dim() == h.dim():
+        return h, s
+    return h.unsqueeze(-1), s.unsqueeze(-2)
+
+
+def _mix(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x s over the value channels: `[..., D]` (x * s for a vector state)."""
+    if x.dim() == s.dim():
+        return x * s
+    return torch.einsum("...dv,...v->...d", x, s)
+
+
+def _fused_delta_forward(
+    state: torch.Tensor,
+    h: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    eps: float,
+    additive: bool,
+    erase: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The new state, r `[..., 1]` and h^T X `[..., d_v]` (None without erase; the last two are saved for the
+    backward).
+
+    Written for the fewest dispatches, because decoding one token is all dispatch: constants as 0-dim tensors
+    (`constant`), `+ 1` folded into an addcmul, about 10 ops in all (d_v = 1).
+    """
+    hf = at_least_float32(h)
+    r = torch.rsqrt(_dot(hf, hf) + constant(eps * eps, hf))
+    rb = r * (beta if beta.dim() == h.dim() else beta.unsqueeze(-1))
+    if erase:
+        hx = _dot(hf, at_least_float32(state))
+        coefficient = torch.addcmul(value, r, hx, value=-1.0)  # v - k^T X
+    else:
+        hx, coefficient = None, value
+    # r beta (v - k^T X), + 1 in additive mode: exactly 1 when beta == 0, so X' == X + h bit for bit.
+    scale = torch.addcmul(constant(1.0, rb), rb, coefficient) if additive else rb * coefficient
+    out = torch.addcmul(state, *_outer(h, scale, state))
+    out_dtype = torch.promote_types(state.dtype, h.dtype) if additive and h.dtype != state.dtype else state.dtype
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
+
+
+class _FusedDeltaUpdate(torch.autograd.Function):
+    """One autograd node per Delta block with a hand-derived backward (see the formulas above)."""
+
+    @staticmethod
+    def forward(ctx, state, h, beta, value, eps, additive, erase):
+        out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive, erase)
+        # Write-only never reads X after the forward pass: it is not saved.
+        ctx.save_for_backward(state if erase else None, h, beta, value, r, hx)
+        ctx.additive, ctx.erase, ctx.state_dtype = additive, erase, state.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        state, h, beta, value, r, hx = ctx.saved_tensors
+        erase = ctx.erase
+        g, hf = at_least_float32(grad_out), at_least_float32(h)
+        keepdim = beta.dim() == h.dim()  # beta `[..., 1]` rather than `[...]`
+        b = beta if keepdim else beta.unsqueeze(-1)
+        hg = _dot(hf, g)  # h^T g, so k^T g = r hg
+        residual = value - r * hx if erase else value  # v - k^T X
+        b_kg = b * r * hg  # beta k^T g = dL/dv
+        grad_state = grad_h = None
+        if ctx.needs_input_grad[0]:
+            grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)) if erase else g
+            grad_state = grad_state.to(ctx.state_dtype)
+        if ctx.needs_input_grad[1]:
+            coef = b * residual
+            scale = r * coef + 1.0 if ctx.additive else r * coef
+            h_dot_dk = (hg * coef - hx * b_kg if erase else hg * coef).sum(-1, keepdim=True)
+            grad_h = _mix(g, scale) - hf * (r * r * r * h_dot_dk)
+            if erase:
+                grad_h = grad_h + _mix(at_least_float32(state), -r * b_kg)
+            grad_h = grad_h.to(h.dtype)
+        grad_beta = (r * hg * residual).sum(-1, keepdim=keepdim) if ctx.needs_input_grad[2] else None
+        grad_value = b_kg if ctx.needs_input_grad[3] else None
+        return grad_state, grad_h, grad_beta, grad_value, None, None, None
+
+
+def fused_delta_update(
+    state: torch.Tensor,
+    branch_output: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    eps: float,
+    additive: bool,
+    erase: bool = True,
+) -> torch.Tensor:
+    """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
+
+    `beta` is `[...]`, or `[..., 1]` as `delta_gate` makes it (saves a reshape per call when decoding). Under
+    autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain function
+    (no node, fewest ops: what generation runs).
+    """
+    if torch.is_grad_enabled() and (
+        state.requires_grad or branch_output.requires_grad or beta.requires_grad or value.requires_grad
+    ):
+        return _FusedDeltaUpdate.apply(state, branch_output, beta, value, eps, additive, erase)
+    return _fused_delta_forward(state, branch_output, beta, value, eps, additive, erase)[0]
+
+
+def sigmoid(x: float) -> float:
+    """The logistic function of a Python float, without overflow for any input (`math.exp` raises above ~709)."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)  # also NaN in, NaN out
+    return z / (1.0 + z)
+
+
+def one_token_delta_update(
+    state: torch.Tensor,
+    branch_output: torch.Tensor,
+    beta: float,
+    value: torch.Tensor,
+    eps: float,
+    additive: bool,
+    erase: bool = True,
+) -> torch.Tensor:
+    """`fused_delta_update` for a single token, with the gate beta a Python float and v `[d_v]` (no autograd).
+
+    Decoding one token on the CPU is all dispatch: each tensor op costs ~2 µs of overhead for a few hundred flops,
+    and the fused update spends ~10 of them on per-token scalars. Here the scalars live on the host where they can:
+    `h^T h` (and `h^T X`, v at d_v = 1) are read back, r and `s = r beta (v - r h^T X) (+ 1)` are computed in double
+    precision, and the write is one op, `X + s h` (d_v = 1) or `X + h s^T`. About 4x faster per Delta block.
+
+    For CPU tensors only: on an accelerator a read-back would synchronise the device. beta == 0 gives s == 1
+    (additive) or 0 (paper) exactly, so the result is `X + h` or X bit for bit, as in the other paths.
+    """
+    h = branch_output.reshape(-1)  # [D]
+    r = 1.0 / math.sqrt(torch.dot(h, h).item() + eps * eps)
+    rb = r * beta
+    if state.dim() == branch_output.dim():  # d_v = 1: s is one number
+        coefficient = value.item() - r * torch.dot(h, state.reshape(-1)).item() if erase else value.item()
+        return torch.add(state, branch_output, alpha=rb * coefficient + (1.0 if additive else 0.0))
+    x = state.reshape(h.shape[0], -1)  # [D, d_v]
+    coefficient = torch.add(value, torch.mv(x.t(), h), alpha=-r) if erase else value  # v - k^T X
+    if additive:  # s = r beta (v - k^T X) + 1
+        return torch.addr(x, h, torch.add(constant(1.0, x), coefficient, alpha=rb)).view(state.shape)
+    return torch.addr(x, h, coefficient, alpha=rb).view(state.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reads of the expanded state used by the paper's variants (TC, CC, EC; docs/variants.md): short depthwise
+# convolutions, over tokens or over the value channels. Plain functions like the rest of this file.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def temporal_conv(
+    history: torch.Tensor, weight: torch.Tensor, same_document: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal depthwise convolution over tokens: `y_t = sum_j weight[..., j] * x_{t - K + 1 + j}`.
+
+    Args:
+        history: `[B, K - 1 + T, *channels]`: the K - 1 inputs before the T new ones (zeros at the start of a
+            sequence, the cached ones when decoding), then the T new inputs.
+        weight: `[*channels, K]`, one kernel per channel; the last tap multiplies the current token.
+        same_document: `[B, T, K]` bool, or None: whether tap j of output t reads a token of t's own document
+            (packed rows); a tap into an earlier document reads 0, as if the document were alone.
+
+    Returns `[B, T, *channels]`. K shifted multiply-adds (K is small) rather than conv1d: no transposes of the state.
+    """
+    size = weight.shape[-1]
+    steps = history.shape[1] - size + 1
+    weight = weight.to(history.dtype)
+    out = None
+    for j in range(size):
+        tap = history[:, j : j + steps]
+        if same_document is not None:
+            keep = same_document[:, :, j].to(history.dtype)
+            tap = tap * keep.view(*keep.shape, *([1] * (history.dim() - 2)))
+        out = tap * weight[..., j] if out is None else out + tap * weight[..., j]
+    return out
+
+
+def same_document_taps(document_starts: torch.Tensor, size: int) -> torch.Tensor:
+    """`[B, T, K]` bool for `temporal_conv`: tap j of token t (which reads token t - K + 1 + j) stays in t's
+    document. `document_starts` `[B, T]` is True where a packed row starts a new document."""
+    document = nn.functional.pad(document_starts.long().cumsum(-1), (size - 1, 0))  # inputs before the row: apart
+    steps = document_starts.shape[1]
+    target = document[:, size - 1 :]
+    return torch.stack([document[:, j : j + steps] == target for j in range(size)], dim=-1)
+
+
+def channel_conv(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Convolution across the d_v value channels, per hidden unit, zero-padded to keep d_v channels.
+
+    `y[..., d, o] = sum_j weight[d, j] * x[..., d, o - p + j]` with p = (K - 1) // 2 (centred, as in the reference
+    code's default non-causal channel convolution); state `[..., D, d_v]`, weight `[D, K]`, K <= d_v.
+    """
+    size = weight.shape[-1]
+    channels = state.shape[-1]
+    left = (size - 1) // 2
+    padded = nn.functional.pad(state, (left, size - 1 - left))
+    weight = weight.to(state.dtype)
+    out = padded[..., :channels] * weight[:, :1]
+    for j in range(1, size):
+        out = out + padded[..., j : j + channels] * weight[:, j : j + 1]
+    return out
+
+
+def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """The `[D, d_v]` weight w with `channel_conv(x, weight) @ read == (x * w).sum(-1)`: CC then the read vector in
+    one pass over the state (the model's fast path; `channel_conv` is its readable reference).
+
+    `w[d, c] = sum_j weight[d, j] * read[c + p - j]` (zero outside [0, d_v)): each input channel collects the read
+    weights of the outputs its taps reach.
+    """
+    size, channels = weight.shape[-1], read.shape[-1]
+    left = (size - 1) // 2
+    padded = nn.functional.pad(read, (size - 1 - left, left))  # padded[i] = read[i - (size - 1 - left)]
+    # shifted[j, c] = read[c + left - j] = padded[c + size - 1 - j]
+    shifted = torch.stack([padded[size - 1 - j : size - 1 - j + channels] for j in range(size)])
+    return weight @ shifted.to(weight.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DeltaNet: the delta rule over time (paper §4.2), as a token mixer that can replace GPT-2's attention.
+#
+#   S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t,   S_t in R^{d_v x d_k} per head.
+#
+# DDL applies this rank-1 Delta Operator over depth; DeltaNet applies it over the sequence.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    erase: bool = True,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule one token at a time: the reference form, and the decoding step (constant work per token).
+
+    Args:
+        q, k: `[B, H, T, d_k]`. DeltaNet uses unit-norm k (then every step is a contraction for beta in [0, 2]);
+            the rule itself is computed exactly for any k.
+        v: `[B, H, T, d_v]`.
+        beta: `[B, H, T]`, in (0, 1), or (0, 2) for the negative-eigenvalue variant.
+        initial_state: `[B, H, d_v, d_k]`, or None for zeros.
+        erase: False drops the `- beta k k^T` term, i.e. purely additive linear attention `S_t = S_{t-1} + beta v k^T`.
+        document_starts: `[B, T]` bool, or None: True where a new document starts (packed rows). The state carried
+            into such a token is zeroed first, so each document runs as if it were alone (a start at t = 0 drops
+            `initial_state`).
+
+    Returns:
+        `o` `[B, H, T, d_v]` with `o_t = S_t q_t`, in v's dtype, and the final state `S_T` `[B, H, d_v, d_k]`
+        (float32 for half-precision inputs).
+    """
+    out_dtype, dtype = v.dtype, compute_dtype(v.dtype)  # the state accumulates over T
+    batch, heads, _, d_k = k.shape
+    d_v = v.shape[-1]
+    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
+    state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
+    outputs = []
+    # unbind, not k[:, :, t]: the backward of one unbind is one stack, that of T slices is T full-size zero tensors.
+    steps = zip(q.unsqueeze(-1).unbind(2), k.unsqueeze(-1).unbind(2), v.unsqueeze(-1).unbind(2), beta.unbind(2))
+    keeps = [None] * q.shape[2] if document_starts is None else (~document_starts).to(dtype)[:, None, None].unbind(-1)
+    for (q_t, k_t, v_t, beta_t), keep_t in zip(steps, keeps):  # q_t, k_t: [B, H, d_k, 1]; v_t: [B, H, d_v, 1]
+        if keep_t is not None:
+            state = state * keep_t[..., None]  # [B, 1, 1, 1]: 0 at a document start
+        write = v_t - state @ k_t if erase else v_t  # v_t - S_{t-1} k_t: replace what the memory returns for k_t
+        state = state + beta_t[..., None, None] * write @ k_t.transpose(-1, -2)
+        outputs.append(state @ q_t)
+    if not outputs:
+        return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+    return torch.cat(outputs, dim=-1).transpose(-1, -2).to(out_dtype), state
+
+
+def _diagonal_block_inverses(a: torch.Tensor, block: int) -> torch.Tensor:
+    """The inverses of the `block`-sized diagonal blocks of `I + A`, `[..., C // block, block, block]`.
+
+    Recursive doubling: with the inverses X11, X22 of two neighbouring diagonal blocks of size s known, the inverse
+    of their 2s block is [[X11, 0], [-X22 A21 X11, X22]]. log2(block) steps, each one batched matmul pair over all
+    blocks of that size; rounding like forward substitution (unlike the nilpotent product prod_j (I + (-A)^(2^j)),
+    whose large intermediate powers cancel badly when keys are correlated and beta is near 2). C and `block` are
+    powers of two.
+    """
+    size, batch = a.shape[-1], a.shape[:-2]
+    inverse = a.new_ones(*batch, size, 1, 1)  # the 1x1 diagonal blocks of I + A
+    s = 1
+    while s < block:
+        m = size // (2 * s)
+        pairs = a.reshape(*batch, m, 2 * s, m, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., m, 2s, 2s]
+        x11, x22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        x21 = -(x22 @ pairs[..., s:, :s] @ x11)
+        inverse = torch.cat([torch.cat([x11, torch.zeros_like(x11)], -1), torch.cat([x21, x22], -1)], -2)
+        s *= 2
+    return inverse
+
+
+def _pad_to_power_of_two(a: torch.Tensor) -> tuple[torch.Tensor, int]:
+    c = a.shape[-1]
+    size = 1 << max(0, (c - 1).bit_length())
+    return (nn.functional.pad(a, (0, size - c, 0, size - c)) if size != c else a), size
+
+
+def unit_lower_triangular_inverse(a: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^{-1}` for strictly lower-triangular `A` `[..., C, C]`, with matmuls only (exportable, any dtype).
+
+    See `_diagonal_block_inverses`; C is zero-padded to a power of two (the padded rows and columns leave the
+    leading block alone).
+    """
+    c = a.shape[-1]
+    padded, size = _pad_to_power_of_two(a)
+    return _diagonal_block_inverses(padded, size).reshape(*a.shape[:-2], size, size)[..., :c, :c]
+
+
+def unit_lower_triangular_solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^{-1} rhs` for strictly lower-triangular `A` `[..., C, C]` and `rhs` `[..., C, n]`, matmuls only.
+
+    The inverses of the two diagonal halves, then one block forward substitution: cheaper than forming the whole
+    inverse (its largest block and the largest copies are never built).
+    """
+    c = a.shape[-1]
+    if c == 1:
+        return rhs
+    padded, size = _pad_to_power_of_two(a)
+    rhs = nn.functional.pad(rhs, (0, 0, 0, size - c)) if size != c else rhs
+    half = size // 2
+    inverses = _diagonal_block_inverses(padded, half)
+    top = inverses[..., 0, :, :] @ rhs[..., :half, :]
+    bottom = inverses[..., 1, :, :] @ (rhs[..., half:, :] - padded[..., half:, :half] @ top)
+    return torch.cat([top, bottom], dim=-2)[..., :c, :]
+
+
+def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, exporting: bool) -> torch.Tensor:
+    """`[B, H, T, d]` -> `[B, H, n_chunks, chunk, d]`, zero-padded at the end.
+
+    Exporting: copied into a zero tensor of the padded length by index, not padded nor sliced: with a symbolic T,
+    torch.export's shape solver cannot prove `T <= chunk * n_chunks` (which a pad or a slice guards on).
+    """
+    batch, heads, seq_len, d = x.shape
+    if not exporting:
+        return nn.functional.pad(x, (0, 0, 0, n_chunks * chunk - seq_len)).view(batch, heads, n_chunks, chunk, d)
+    positions = torch.arange(seq_len, device=x.device)
+    out = x.new_zeros(batch, heads, n_chunks * chunk, d).index_copy(2, positions, x)
+    return out.view(batch, heads, n_chunks, chunk, d)
+
+
+def delta_rule_chunkwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    *,
+    erase: bool = True,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule, chunkwise-parallel: the same inputs and outputs as `delta_rule_recurrent`, T/chunk_size steps.
+
+    Within a chunk that starts from state S_0, the chunk's rank-1 updates have a WY/UT form. With
+    `A = strict_lower(diag(beta) K K^T)`, the pseudo-values `U = (I + A)^{-1} diag(beta) V` and
+    `W = (I + A)^{-1} diag(beta) K` come from one unit-lower-triangular solve (for all chunks at once), and
+
+        U' = U - W S_0^T,    O = Q S_0^T + causal(Q K^T) U',    S_C = S_0 + U'^T K,
+
+    so only the cheap state hand-over between chunks is sequential. T is zero-padded to whole chunks; padded steps
+    have beta = 0 and k = 0 and leave the state unchanged. `erase=False`: A = 0 and W = 0.
+
+    Document starts (packed rows): a start zeroes the state carried into its token, so within a chunk tokens only
+    interact with tokens of the same document: A and the causal scores are masked to same-document pairs (then
+    (I + A) is block diagonal per document and so is its inverse), S_0 reaches only the tokens before the chunk's
+    first start (`U' = U - (W * first) S_0^T`, `O = (Q * first) S_0^T + ...`), and the state handed on is that of
+    the chunk's last document: `S_C = [no start in chunk] S_0 + (U' * last)^T K`.
+
+    Exportable (`torch.export` with a dynamic T, `torch.onnx.export(dynamo=True)`): no shape-dependent branch but
+    the static ones; under export the chunk hand-over is a `scan` (the eager Python loop is faster, and its
+    backward much faster) and T is padded with one more chunk so the number of chunks is always >= 2.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out_dtype, dtype = v.dtype, compute_dtype(v.dtype)  # the state accumulates over T
+    batch, heads, seq_len, d_k = k.shape
+    d_v = v.shape[-1]
+    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
+    state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
+    exporting = torch.compiler.is_exporting()
+    if seq_len == 0 and not exporting:
+        return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
+
+    chunk = chunk_size
+    # Whole chunks, always (a symbolic pad of 0 is fine). Exporting: >= 2 chunks for every T (scan and the shape
+    # checks would otherwise guard on T).
+    n_chunks = (seq_len + 2 * chunk - 1) // chunk if exporting else (seq_len + chunk - 1) // chunk
+    padding = n_chunks * chunk - seq_len
+    q, k, v, beta = (_to_chunks(x, n_chunks, chunk, exporting) for x in (q, k, v, beta.unsqueeze(-1)))
+
+    # Within chunks, all chunks at once: the UT transform and the causal scores.
+    k_beta, v_beta = k * beta, v * beta
+    # Triangles as products with a constant mask: tril on the batched [B, H, N, C, C] is several times slower.
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-1, -2)) * causal  # diagonal included: o_r reads the state after token r's write
+    last = keep = None
+    if document_starts is not None:
+        starts = nn.functional.pad(document_starts, (0, padding)).reshape(batch, 1, n_chunks, chunk)
+        segment = starts.to(torch.int32).cumsum(-1)  # the document of each token, counted within its chunk
+        same = (segment.unsqueeze(-1) == segment.unsqueeze(-2)).to(dtype)  # [B, 1, N, C, C]
+        first = (segment == 0).to(dtype).unsqueeze(-1)  # tokens that see S_0
+        last = (segment == segment[..., -1:]).to(dtype).unsqueeze(-1)  # tokens whose writes reach S_C
+        keep = (segment[..., -1] == 0).to(dtype)[..., None, None]  # S_0 reaches S_C
+        scores = scores * same
+    if erase:
+        strict = causal.logical_not().transpose(0, 1)  # i < r
+        a_strict = (k_beta @ k.transpose(-1, -2)) * (strict if document_starts is None else strict * same)
+        # A[r, i] = beta_r k_r . k_i for i < r; [U W] = (I + A)^{-1} diag(beta) [V K]
+        u, w = unit_lower_triangular_solve(a_strict, torch.cat([v_beta, k_beta], dim=-1)).split([d_v, d_k], -1)
+    else:
+        u, w = v_beta, None
+    q_carry = q
+    if document_starts is not None:
+        q_carry = q * first
+        w = w * first if w is not None else None
+
+    def hand_over(state: torch.Tensor, xs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        q_n, k_n, u_n, scores_n, *rest = xs
+        if erase:
+            u_n = u_n - rest.pop(0) @ state.transpose(-1, -2)
+        o_n = q_n @ state.transpose(-1, -2) + scores_n @ u_n
+        if rest:  # document starts: keep S_0 only without a start in the chunk; write only the last document
+            last_n, keep_n = rest
+            return state * keep_n + (u_n * last_n).transpose(-1, -2) @ k_n, o_n
+        return state + u_n.transpose(-1, -2) @ k_n, o_n
+
+    xs = (q_carry, k, u, scores, *([w] if erase else []), *([last, keep] if last is not None else []))
+    if exporting:
+        from torch._higher_order_ops.scan import scan
+
+        state, o = scan(hand_over, state, xs, dim=2)
+    else:  # across chunks: carry the state (unbind: see delta_rule_recurrent)
+        outputs = []
+        for xs_n in zip(*(x.unbind(2) for x in xs)):
+            state, o_n = hand_over(state, xs_n)
+            outputs.append(o_n)
+        o = torch.stack(outputs, dim=2)
+    o = o.reshape(batch, heads, n_chunks * chunk, d_v)
+    o = o.index_select(2, torch.arange(seq_len, device=o.device)) if exporting else o[:, :, :seq_len]
+    return o.to(out_dtype), state
+
+
+__all__ = [
+    "channel_conv",
+    "channel_conv_read_weight",
+    "constant",
+    "delta_gate",
+    "delta_rule_chunkwise",
+    "delta_rule_recurrent",
+    "delta_update",
+    "fused_delta_update",
+    "straight_through_clamp",
+    "temporal_conv",
+    "unit_direction",
+    "unit_lower_triangular_inverse",
+    "unit_lower_triangular_solve",
+]

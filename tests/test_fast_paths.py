@@ -3,16 +3,28 @@
 Each shortcut must be invisible: `delta_gate` and `constant` give the bits of the expressions they replace, the
 no-grad path gives the bits of the autograd path, `_linear` is skipped whenever calling the module could differ
 from `F.linear` (hooks, wrappers, quantization), betas recorded from the block are those of every Delta residual,
-and the Delta block still traces into one graph.
+and the Delta block still traces into one graph. The one-token host path (scalars as Python floats) matches the
+float64 reference, gives GPT-2's bits at beta = 0, and runs only where it applies.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from builders import VOCAB, delta_config, delta_model, open_gates
 
-from ddl_hf.delta_ops import constant, delta_gate, delta_update, fused_delta_update, unit_direction
+import ddl_hf.modeling_delta_gpt as modeling
+from ddl_hf.delta_ops import (
+    constant,
+    delta_gate,
+    delta_update,
+    fused_delta_update,
+    one_token_delta_update,
+    sigmoid,
+    unit_direction,
+)
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock, DeltaResidual, _linear
 
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
@@ -110,6 +122,145 @@ def test_decoding_one_token_matches_the_float64_reference(d_v, mode):
         module.fused = False
         plain, _ = module(state, normed, h)
     torch.testing.assert_close(fast, plain, rtol=0, atol=1e-12)
+
+
+def test_host_sigmoid_is_the_logistic_function_everywhere():
+    points = [-1e4, -800.0, -40.0, -1.5, -1e-8, 0.0, 1e-8, 2.5, 40.0, 800.0, 1e4]
+    expected = torch.sigmoid(torch.tensor(points, dtype=torch.float64)).tolist()
+    for x, e in zip(points, expected):
+        assert sigmoid(x) == pytest.approx(e, rel=1e-15, abs=1e-300)
+    assert math.isnan(sigmoid(math.nan))
+
+
+@pytest.mark.parametrize(
+    ("d_v", "mode", "expanded_view"),
+    # the first state of an expanded model (d_v > 1) is an expand view of the embedding
+    [(d_v, mode, False) for d_v, mode in CASES] + [(4, mode, True) for mode in ("additive", "paper")],
+)
+@pytest.mark.parametrize("erase", [True, False], ids=["erase", "write-only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_token_update_matches_the_float64_reference(d_v, mode, expanded_view, erase, dtype):
+    g = torch.Generator().manual_seed(4)
+    dim, beta, eps = 24, 1.37, 1e-6
+    if expanded_view:  # the embedding repeated over d_v, stride 0
+        state = torch.randn(1, 1, dim, 1, generator=g, dtype=torch.float64).expand(1, 1, dim, d_v)
+    else:
+        state = torch.randn(1, 1, dim, *((d_v,) if d_v > 1 else ()), generator=g, dtype=torch.float64)
+    h = torch.randn(1, 1, dim, generator=g, dtype=torch.float64)
+    value = torch.randn(1, 1, d_v, generator=g, dtype=torch.float64)
+    additive = mode == "additive"
+    out = one_token_delta_update(state.to(dtype), h.to(dtype), beta, value.flatten().to(dtype), eps, additive, erase)
+    expected = delta_update(
+        state,
+        unit_direction(h, eps),
+        torch.full((1, 1), beta, dtype=torch.float64),
+        value,
+        h if additive else None,
+        erase,
+    )
+    assert out.shape == state.shape and out.dtype == dtype
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_one_token_update_at_beta_zero_is_gpt2_bit_for_bit(d_v, mode):
+    g = torch.Generator().manual_seed(5)
+    state = torch.randn(1, 1, 16, *((d_v,) if d_v > 1 else ()), generator=g)
+    h = torch.randn(1, 1, 16, generator=g)
+    out = one_token_delta_update(state, h, 0.0, torch.full((d_v,), 0.7), 1e-6, mode == "additive")
+    expected = state + (h.unsqueeze(-1) if d_v > 1 else h) if mode == "additive" else state
+    assert torch.equal(out, expected)
+
+
+def _spy_host_path(monkeypatch) -> list[int]:
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return one_token_delta_update(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "one_token_delta_update", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+@pytest.mark.parametrize("fields", [{}, {"delta_erase": False}, {"delta_value": "constant"}], ids=str)
+def test_one_decoded_token_takes_the_host_path_and_matches_the_tensor_path(monkeypatch, d_v, mode, fields):
+    """The host path's token against the same token decoded by the tensor path (a batch of two rows runs it)."""
+    calls = _spy_host_path(monkeypatch)
+    module = residual(d_v, mode, **fields)
+    state, normed, h = inputs(d_v, shape=(2, 1))
+    with torch.inference_mode():
+        tensor_state, tensor_beta = module(state, normed, h)
+        assert not calls
+        host_state, host_beta = module(state[:1], normed[:1], h[:1])
+    assert len(calls) == 1
+    assert host_state.shape == state[:1].shape and host_beta.shape == (1, 1)
+    assert host_state.dtype == tensor_state.dtype and host_beta.dtype == tensor_beta.dtype
+    torch.testing.assert_close(host_beta, tensor_beta[:1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(host_state, tensor_state[:1], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(host_state, state[:1] + (h[:1].unsqueeze(-1) if d_v > 1 else h[:1]))  # gates open
+
+
+def test_the_host_path_runs_only_where_it_applies(monkeypatch):
+    """Autograd, several tokens, half precision, a hooked or wrapped projection, the MLP gate, the plain reference
+    and compilation all keep the tensor path."""
+    calls = _spy_host_path(monkeypatch)
+    module = residual(1, "additive")
+    state, normed, h = inputs(1, shape=(1, 1))
+
+    def host_path_runs(module=module, args=(state, normed, h), context=torch.no_grad) -> bool:
+        calls.clear()
+        with context():
+            module(*args)
+        return bool(calls)
+
+    assert host_path_runs()
+    assert host_path_runs(context=torch.inference_mode)
+    assert host_path_runs(
+        module=residual(1, "additive", dtype=torch.float64), args=[t.double() for t in (state, normed, h)]
+    )
+    assert not host_path_runs(context=torch.enable_grad)
+    assert not host_path_runs(args=inputs(1, shape=(1, 2)))
+    assert not host_path_runs(args=inputs(1, shape=(2, 1)))
+    half = residual(1, "additive", dtype=torch.bfloat16)
+    assert not host_path_runs(module=half, args=[t.bfloat16() for t in (state, normed, h)])
+    handle = module.beta_proj.register_forward_hook(lambda m, a, out: out)
+    assert not host_path_runs()
+    handle.remove()
+    wrapped = residual(1, "additive")
+    wrapped.v_proj = Doubled(*wrapped.v_proj.weight.shape[::-1])
+    assert not host_path_runs(module=wrapped)
+    assert not host_path_runs(module=residual(1, "additive", delta_gate="mlp"))
+    plain = residual(1, "additive")
+    plain.fused = False
+    assert not host_path_runs(module=plain)
+    assert host_path_runs()  # and back on once nothing stands in the way
+    compiled = torch.compile(residual(1, "additive"), backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    assert not host_path_runs(module=compiled)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_greedy_decoding_on_the_host_path_matches_the_plain_reference(monkeypatch, d_v, mode):
+    """Generation end to end (batch 1, KV cache: every step after the prompt is one token) against the readable
+    reference path, with the gates open so that the Delta terms matter."""
+    model = delta_model(delta_value_channels=d_v, delta_mode=mode).eval()
+    open_gates(model)
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    settings = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    calls = _spy_host_path(monkeypatch)
+    with torch.inference_mode():
+        fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        assert len(calls) == 2 * model.config.n_layer * (settings["max_new_tokens"] - 1)  # every decoding step
+        DeltaResidual.fused = False
+        try:
+            plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        finally:
+            DeltaResidual.fused = True
+    assert torch.equal(fast.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)
@@ -215,16 +366,18 @@ def test_single_token_input_checks_still_raise():
 
 
 @pytest.mark.parametrize("d_v", [1, 4])
-@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize(
+    ("grad", "tokens"), [(True, (2, 5)), (False, (2, 5)), (False, (1, 1))], ids=["grad", "no-grad", "decoding"]
+)
 @pytest.mark.parametrize("warm", [True, False], ids=["after-eager", "fresh"])
-def test_delta_block_traces_into_one_graph(d_v, grad, warm):
+def test_delta_block_traces_into_one_graph(d_v, grad, tokens, warm):
     """No graph break in a Delta block (dynamo only, no inductor: cheap), with the 0-dim constants already made by
-    an eager call or not yet."""
+    an eager call or not yet; a decoding step keeps the tensor path (no host read-back) under compilation."""
     config = delta_config(delta_value_channels=d_v, delta_beta_init=0.5, delta_eps=1.2345e-6 if warm else 2.3456e-6)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     block = DeltaGPTBlock(config, layer_idx=0)
-    x = torch.randn(2, 5, config.n_embd, *((d_v,) if d_v > 1 else ()))
+    x = torch.randn(*tokens, config.n_embd, *((d_v,) if d_v > 1 else ()))
     torch._dynamo.reset()
     with torch.set_grad_enabled(grad):
         if warm:
