@@ -9,6 +9,7 @@ float64 reference, gives GPT-2's bits at beta = 0, and runs only where it applie
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from builders import VOCAB, delta_config, delta_model, open_gates
 
 import ddl_hf.modeling_delta_gpt as modeling
+from ddl_hf import DeltaGPTForCausalLM, DeltaLlamaForCausalLM
 from ddl_hf.delta_ops import (
     constant,
     delta_gate,
@@ -385,3 +387,12 @@ def test_delta_block_traces_into_one_graph(d_v, grad, tokens, warm):
         explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("model_class", [DeltaGPTForCausalLM, DeltaLlamaForCausalLM])
+def test_the_forward_signature_that_generate_probes_each_step_is_stored_and_exact(model_class):
+    """transformers inspects a custom-code model's `forward` signature on every decoding step: it is stored once
+    (`__signature__`), and it is the signature of the undecorated forward."""
+    stored = model_class.forward.__signature__
+    assert stored == inspect.signature(inspect.unwrap(model_class.forward))
+    assert "input_ids" in stored.parameters and "kwargs" in stored.parameters
