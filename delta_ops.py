@@ -253,36 +253,32 @@ def one_token_delta_update(
     state: torch.Tensor,
     branch_output: torch.Tensor,
     beta: float,
-    value: list[float],
+    value: torch.Tensor,
     eps: float,
     additive: bool,
     erase: bool = True,
 ) -> torch.Tensor:
-    """`fused_delta_update` for a single token whose gate and value are already Python floats (no autograd).
+    """`fused_delta_update` for a single token, with the gate beta a Python float and v `[d_v]` (no autograd).
 
     Decoding one token on the CPU is all dispatch: each tensor op costs ~2 µs of overhead for a few hundred flops,
-    and the fused update is ~10 of them on `[1]`-sized per-token scalars. Here those scalars live on the host:
-    `h^T h` and `h^T X` are read back once, `s = r beta (v - r h^T X) (+ 1)` is computed in double precision, and
-    the write is one op, `X + s h` (d_v = 1) or `X + h s^T`. Three tensor ops in all, ~4x faster per Delta block.
+    and the fused update spends ~10 of them on per-token scalars. Here the scalars live on the host where they can:
+    `h^T h` (and `h^T X`, v at d_v = 1) are read back, r and `s = r beta (v - r h^T X) (+ 1)` are computed in double
+    precision, and the write is one op, `X + s h` (d_v = 1) or `X + h s^T`. About 4x faster per Delta block.
 
-    For CPU tensors only: on an accelerator each read-back would synchronise the device. beta == 0 gives s == 1
+    For CPU tensors only: on an accelerator a read-back would synchronise the device. beta == 0 gives s == 1
     (additive) or 0 (paper) exactly, so the result is `X + h` or X bit for bit, as in the other paths.
     """
     h = branch_output.reshape(-1)  # [D]
     r = 1.0 / math.sqrt(torch.dot(h, h).item() + eps * eps)
-    expanded = state.dim() == branch_output.dim() + 1
-    x = state.reshape(h.shape[0], -1)  # [D, d_v]
     rb = r * beta
-    if erase:
-        hx = torch.mv(x.t(), h).tolist() if expanded else [torch.dot(h, x.view(-1)).item()]
-        scale = [rb * (v - r * d) for v, d in zip(value, hx)]
-    else:
-        scale = [rb * v for v in value]
-    if additive:
-        scale = [s + 1.0 for s in scale]
-    if not expanded:
-        return torch.add(state, branch_output, alpha=scale[0])
-    return torch.addr(x, h, torch.tensor(scale, dtype=x.dtype)).view(state.shape)
+    if state.dim() == branch_output.dim():  # d_v = 1: s is one number
+        coefficient = value.item() - r * torch.dot(h, state.reshape(-1)).item() if erase else value.item()
+        return torch.add(state, branch_output, alpha=rb * coefficient + (1.0 if additive else 0.0))
+    x = state.reshape(h.shape[0], -1)  # [D, d_v]
+    coefficient = torch.add(value, torch.mv(x.t(), h), alpha=-r) if erase else value  # v - k^T X
+    if additive:  # s = r beta (v - k^T X) + 1
+        return torch.addr(x, h, torch.add(constant(1.0, x), coefficient, alpha=rb)).view(state.shape)
+    return torch.addr(x, h, coefficient, alpha=rb).view(state.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------

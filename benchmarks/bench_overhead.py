@@ -483,6 +483,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shape, fewer pairs, base rows only")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="override the shapes to run")
     parser.add_argument("--pairs", type=int, help="timed A/B pairs per metric")
+    parser.add_argument("--gen-pairs", type=int, help="timed A/B pairs per generation metric (default: --pairs)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is per process)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", default=None, help="basename of the result files")
@@ -510,7 +511,7 @@ def main() -> None:
     for shape_name in shapes:
         large = shape_name == "gpt2-small"
         pairs = args.pairs or (25 if args.quick else (5 if large else 9))
-        gen_pairs = args.pairs or (15 if args.quick else (3 if large else 6))
+        gen_pairs = args.gen_pairs or args.pairs or (15 if args.quick else (3 if large else 6))
         gen_tokens = 16 if args.quick else (24 if large else 32)
         runs = [(d_v, mode, "", {}) for d_v, mode in DELTA_VARIANTS if not (args.skip_additive and mode == "additive")]
         if paper_variants:
