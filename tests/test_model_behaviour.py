@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,3 +349,21 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
     extra = 24 * per_block + read  # + read_out
     assert delta_params - gpt2_params == extra
     assert delta_params / gpt2_params <= budget
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "configuration_delta_gpt.py",
+        "configuration_delta_llama.py",
+        "modeling_delta_gpt.py",
+        "modeling_delta_llama.py",
+        "delta_ops.py",
+    ],
+)
+def test_the_package_modules_are_the_root_hub_files(name: str) -> None:
+    """`ddl_hf/` links to the self-contained Hub files at the repository root, so that what the package runs is what
+    `save_pretrained` ships; an editor that replaces a link by a copy would let the two drift apart."""
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "ddl_hf" / name).is_symlink()
+    assert (root / "ddl_hf" / name).resolve() == (root / name).resolve()
