@@ -262,8 +262,9 @@ def one_token_delta_update(
 
     Decoding one token on the CPU is all dispatch: each tensor op costs ~2 µs of overhead for a few hundred flops,
     and the fused update spends ~10 of them on per-token scalars. Here the scalars live on the host where they can:
-    `h^T h` (and `h^T X`, v at d_v = 1) are read back, r and `s = r beta (v - r h^T X) (+ 1)` are computed in double
-    precision, and the write is one op, `X + s h` (d_v = 1) or `X + h s^T`. About 4x faster per Delta block.
+    `h^T h` is read back and r computed in double precision; at d_v = 1 `h^T X` and v too, so that
+    `s = r beta (v - r h^T X) (+ 1)` is one Python float and the write one op, `X + s h`; at d_v > 1 s is one `add`
+    over the d_v channels and the write one `addr`, `X + h s^T`. About a third of the fused path's time per call.
 
     For CPU tensors only: on an accelerator a read-back would synchronise the device. beta == 0 gives s == 1
     (additive) or 0 (paper) exactly, so the result is `X + h` or X bit for bit, as in the other paths.
