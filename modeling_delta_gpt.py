@@ -408,8 +408,8 @@ class DeltaResidual(nn.Module):
         self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_update` for one decoded token on the CPU: beta as a Python float (the gate logit read back), v from one
-        `addmv`, then `one_token_delta_update`: the same math in ~14 tensor calls instead of ~40 (docs/performance.md).
-        """
+        `addmv`, then `one_token_delta_update`: the same math in 28 aten operator calls instead of 42 at d_v = 1, and
+        60% of the instructions (docs/performance.md)."""
         c = c.reshape(-1)
         rho = min(max(self._parameters["beta_open"].item(), 0.0), 1.0)
         beta = 2.0 * sigmoid(_matvec(self._modules["beta_proj"], c).item()) * rho
