@@ -338,7 +338,7 @@ class DeltaResidual(nn.Module):
         read_conv = self._modules.get("read_conv")
         if read_conv is not None:
             return read_conv(state, read_weights, context, key)
-        return state @ (read_weights if read_weights.dtype == state.dtype else read_weights.to(state.dtype))
+        return _read_channels(state, read_weights)
 
     @_reads_in_forward
     def forward(
@@ -362,7 +362,7 @@ class DeltaResidual(nn.Module):
         dtype = opening.dtype  # the model's float dtype, also when a quantizer replaced the Linears
         c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
         if self._updates_one_token_on_host(state, c, branch_output):
-            return self._update_one_token(state, c, branch_output)
+            return self._update_one_token(state, c, branch_output, opening)
         opening = at_least_float32(opening)
         # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
         rho = (
@@ -405,13 +405,13 @@ class DeltaResidual(nn.Module):
         )
 
     def _update_one_token(
-        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor, opening: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_update` for one decoded token on the CPU: beta as a Python float (the gate logit read back), v from one
         `addmv`, then `one_token_delta_update`: the same math in 28 aten operator calls instead of 42 at d_v = 1, and
         60% of the instructions (docs/performance.md)."""
         c = c.reshape(-1)
-        rho = min(max(self._parameters["beta_open"].item(), 0.0), 1.0)
+        rho = min(max(opening.item(), 0.0), 1.0)
         beta = 2.0 * sigmoid(_matvec(self._modules["beta_proj"], c).item()) * rho
         v_proj = self._modules.get("v_proj")
         if v_proj is not None:
@@ -453,6 +453,12 @@ def _is_plain_linear(module: nn.Module) -> bool:
     """Whether calling `module(x)` is exactly `F.linear(x, weight, bias)`: an unhooked `nn.Linear` itself, not a
     subclass or replacement (dynamic quantization, LoRA)."""
     return type(module) is nn.Linear and _unhooked(module)
+
+
+def _read_channels(state: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`X w`: the expanded state `[..., D, d_v]` read over its value channels. w is cast only when its dtype differs
+    (a no-op cast still costs a dispatch when decoding)."""
+    return state @ (weights if weights.dtype == state.dtype else weights.to(state.dtype))
 
 
 def _matvec(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -1014,8 +1020,7 @@ class DeltaStateMixin:
         if self.read_out_conv is not None:
             return self.read_out_conv(state, self.read_out if self.value_channels > 1 else None, context, "read_out")
         if self.value_channels > 1:
-            read_out = self._parameters["read_out"]
-            return state @ (read_out if read_out.dtype == state.dtype else read_out.to(state.dtype))
+            return _read_channels(state, self._parameters["read_out"])
         return state
 
 

@@ -14,7 +14,9 @@ Instructions are not time: a cache miss or a large matmul costs more per instruc
 therefore measures the Delta blocks' dispatch and Python work against GPT-2's per-token work on one count, and
 moves only when the code does; the CPU-time ratios of bench_overhead.py remain the measure of time.
 
-    python benchmarks/bench_decode_instructions.py                 # shapes small and gpt2-small
+    python benchmarks/bench_decode_instructions.py                 # shapes small and gpt2-small (the latter: over
+                                                                   # half an hour, building its models under valgrind)
+    python benchmarks/bench_decode_instructions.py --shapes small  # about 5 minutes
     python benchmarks/bench_decode_instructions.py --shapes tiny   # a minute or two
 
 Needs `valgrind` on PATH. Writes benchmarks/results/decode_instructions.{json,md}.

@@ -149,7 +149,9 @@ def build_pair(
         delta_config = DeltaGPTConfig(**architecture, **delta_fields)
     delta_config._attn_implementation = "sdpa"
     delta = (DeltaLlamaForCausalLM if llama else DeltaGPTForCausalLM)(delta_config)
-    delta.load_state_dict(base.state_dict(), strict=False)
+    missing, unexpected = delta.load_state_dict(base.state_dict(), strict=False)
+    if unexpected or not set(missing) <= set(delta.delta_parameters()):
+        raise RuntimeError(f"baseline weights do not map onto the Delta model: {missing=} {unexpected=}")
     return base, delta
 
 
