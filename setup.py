@@ -20,7 +20,7 @@ setup(
     packages=find_packages(include=["ddl_hf", "ddl_hf.*"]),
     py_modules=["ddl_hf_cli"],  # the light parser module behind the console commands
     include_package_data=True,
-    package_data={"ddl_hf": ["*.md", "data/*"]},
+    package_data={"ddl_hf": ["*.md", "data/*", "csrc/*.cpp"]},  # csrc: the optional native kernel's source
     install_requires=[
         "torch>=2.4",
         "transformers>=5.0,<6",
@@ -34,7 +34,10 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
+        # ddl_hf.native: the optional native decoding kernel, built on first use (also needs a C++ compiler)
+        "native": ["ninja>=1.11"],
         "dev": [
+            "ninja>=1.11",  # tests/test_native_decoding.py builds the native kernel
             "pytest>=8",
             "hypothesis>=6.100",
             "ruff>=0.6",
@@ -45,7 +48,7 @@ setup(
             "onnxruntime>=1.20",
             # tests/test_trl.py (SFTTrainer packed / unpacked, DPOTrainer); needs no torch of its own
             "trl>=1.16",
-        ]
+        ],
     },
     entry_points={
         "console_scripts": [

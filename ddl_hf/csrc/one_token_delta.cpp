@@ -1,0 +1,109 @@
+// The Delta residual update for one decoded token on the CPU, as one native call (ddl_hf.native).
+//
+// The same math as delta_ops.one_token_delta_update (and, with beta and v computed here, as
+// DeltaResidual._update_one_token): the gate logit g = w_g . c + b_g, beta = 2 sigmoid(g) clamp(beta_open, 0, 1),
+// v = W_v c + b_v (or a constant), r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode),
+// X' = X + h s^T. Decoding one token is all per-call overhead in Python (~14 tensor calls per Delta block); here it
+// is one. Sums run in double precision; X' is formed in the tensor dtype, X + s h, so beta == 0 gives X + h
+// (additive) or X (paper) bit for bit, as in the Python paths.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+double logistic(double x) {
+  if (x >= 0) return 1.0 / (1.0 + std::exp(-x));
+  const double z = std::exp(x);
+  return z / (1.0 + z);
+}
+
+template <typename T>
+double dot(const T* a, const T* b, int64_t n, int64_t b_stride = 1) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(a[i]) * static_cast<double>(b[i * b_stride]);
+  return sum;
+}
+
+template <typename T>
+void update(const at::Tensor& state, const at::Tensor& c, const at::Tensor& h, const at::Tensor& gate_weight,
+            const c10::optional<at::Tensor>& gate_bias, const c10::optional<at::Tensor>& value_weight,
+            const c10::optional<at::Tensor>& value_bias, double rho, double value_constant, double eps, bool additive,
+            bool erase, int64_t value_channels, at::Tensor& out, double& beta) {
+  const int64_t d = h.numel();
+  const T* hp = h.data_ptr<T>();
+  const T* cp = c.data_ptr<T>();
+  const T* xp = state.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+
+  double g = dot(gate_weight.data_ptr<T>(), cp, d);
+  if (gate_bias.has_value()) g += static_cast<double>(gate_bias->data_ptr<T>()[0]);
+  beta = 2.0 * logistic(g) * rho;
+  const double r = 1.0 / std::sqrt(dot(hp, hp, d) + eps * eps);
+  const double rb = r * beta;
+
+  for (int64_t j = 0; j < value_channels; ++j) {
+    double v = static_cast<double>(static_cast<T>(value_constant));  // the constant as the tensors hold it
+    if (value_weight.has_value()) {
+      v = dot(value_weight->data_ptr<T>() + j * d, cp, d);
+      if (value_bias.has_value()) v += static_cast<double>(value_bias->data_ptr<T>()[j]);
+    }
+    // the state is [D] or [D, d_v] row-major: channel j is every d_v-th element from j
+    const double coefficient = erase ? v - r * dot(hp, xp + j, d, value_channels) : v;
+    const T s = static_cast<T>(rb * coefficient + (additive ? 1.0 : 0.0));
+    for (int64_t i = 0; i < d; ++i) op[i * value_channels + j] = xp[i * value_channels + j] + s * hp[i];
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> one_token_delta_update(const at::Tensor& state, const at::Tensor& c,
+                                                          const at::Tensor& h, const at::Tensor& gate_weight,
+                                                          const c10::optional<at::Tensor>& gate_bias,
+                                                          const c10::optional<at::Tensor>& value_weight,
+                                                          const c10::optional<at::Tensor>& value_bias,
+                                                          const at::Tensor& beta_open, double value_constant,
+                                                          double eps, bool additive, bool erase) {
+  const int64_t d = h.numel();
+  const int64_t value_channels = state.numel() / d;
+  TORCH_CHECK(h.size(-1) == d, "one token at batch 1 only: the sublayer output must be [..., D] with one row");
+  TORCH_CHECK(state.numel() == d * value_channels && c.numel() == d, "state / input sizes do not match h");
+  TORCH_CHECK(state.device().is_cpu() && h.device().is_cpu(), "CPU tensors only");
+  const auto dtype = state.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "float32 or float64 only");
+  for (const at::Tensor* t : {&c, &h, &gate_weight}) TORCH_CHECK(t->scalar_type() == dtype, "mixed dtypes");
+  TORCH_CHECK(gate_weight.numel() == d, "the gate must be a D -> 1 linear layer");
+  if (value_weight.has_value()) {
+    TORCH_CHECK(value_weight->scalar_type() == dtype && value_weight->numel() == d * value_channels,
+                "the value projection must be a D -> d_v linear layer of the state's dtype");
+  }
+  if (gate_bias.has_value()) TORCH_CHECK(gate_bias->scalar_type() == dtype, "mixed dtypes");
+  if (value_bias.has_value()) TORCH_CHECK(value_bias->scalar_type() == dtype, "mixed dtypes");
+
+  TORCH_CHECK(beta_open.scalar_type() == dtype && beta_open.numel() == 1, "beta_open: one number of the state's dtype");
+  const at::Tensor x = state.contiguous();  // also materialises the first layer's expand view (stride 0)
+  const auto cc = c.contiguous(), hc = h.contiguous(), gw = gate_weight.contiguous();
+  const c10::optional<at::Tensor> vw =
+      value_weight.has_value() ? c10::optional<at::Tensor>(value_weight->contiguous()) : c10::nullopt;
+  at::Tensor out = at::empty(state.sizes(), state.options());
+  at::Tensor beta_out = at::empty(h.sizes().slice(0, h.dim() - 1), state.options());  // [1, 1]: the token's beta
+  double beta = 0.0;
+  if (dtype == at::kFloat) {
+    const double rho = std::min(std::max(static_cast<double>(*beta_open.data_ptr<float>()), 0.0), 1.0);
+    update<float>(x, cc, hc, gw, gate_bias, vw, value_bias, rho, value_constant, eps, additive, erase,
+                  value_channels, out, beta);
+    *beta_out.data_ptr<float>() = static_cast<float>(beta);
+  } else {
+    const double rho = std::min(std::max(*beta_open.data_ptr<double>(), 0.0), 1.0);
+    update<double>(x, cc, hc, gw, gate_bias, vw, value_bias, rho, value_constant, eps, additive, erase,
+                   value_channels, out, beta);
+    *beta_out.data_ptr<double>() = beta;
+  }
+  return {out, beta_out};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("one_token_delta_update", &one_token_delta_update,
+        "The Delta residual update for one decoded token: (new state, beta).");
+}

@@ -1,0 +1,83 @@
+"""An optional native kernel for decoding: the Delta residual update of one token on the CPU in one C++ call.
+
+Decoding one token at batch 1 is all per-call overhead: the Python host path (`DeltaResidual._update_one_token`)
+makes ~14 tensor calls per Delta block, which cost more than the block's arithmetic. `csrc/one_token_delta.cpp` does
+the same math in one call. It is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja:
+`pip install ninja`; ~30 s once, then cached by torch in `TORCH_EXTENSIONS_DIR`) and is opt-in per model:
+
+    from ddl_hf.native import enable_native_decoding
+    enable_native_decoding(model)   # every Delta residual of `model` decodes one token natively
+    model.generate(...)
+
+It runs exactly where the host path runs (one token at batch 1, CPU, float32/float64, no autograd, plain linear
+gate and value, not while compiling or tracing); everything else keeps the tensor path. Nothing else depends on it:
+the Hub model files import only torch and transformers, and a model without it gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+_SOURCE = Path(__file__).parent / "csrc" / "one_token_delta.cpp"
+_kernel: Callable | None = None
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The native kernel cannot be built here (no C++ compiler or ninja); the Python host path still works."""
+
+
+def native_build_problem() -> str | None:
+    """Why the kernel cannot be built on this machine, or None if it can be tried."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler on PATH (install g++ or clang)"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def load_one_token_kernel(verbose: bool = False) -> Callable:
+    """Build (first call; torch caches the build) and return the native one-token Delta update."""
+    global _kernel
+    if _kernel is None:
+        problem = native_build_problem()
+        if problem is not None:
+            raise NativeKernelUnavailable(
+                f"cannot build the native decoding kernel: {problem}. Decoding works without it (the Python path)."
+            )
+        from torch.utils.cpp_extension import load
+
+        module = load(name="ddl_hf_one_token_delta", sources=[str(_SOURCE)], extra_cflags=["-O3"], verbose=verbose)
+        _kernel = module.one_token_delta_update
+    return _kernel
+
+
+def _delta_residuals(model: nn.Module) -> list[nn.Module]:
+    # Duck-typed, so that a model loaded as Hub custom code (its own copy of the classes) is found too.
+    return [module for module in model.modules() if hasattr(type(module), "one_token_kernel")]
+
+
+def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module:
+    """Make every Delta residual of `model` decode one token with the native kernel; returns `model`.
+
+    Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
+    without Delta residuals."""
+    residuals = _delta_residuals(model)
+    if not residuals:
+        raise ValueError(f"{type(model).__name__} has no Delta residuals (DeltaGPT / DeltaLlama models have).")
+    kernel = load_one_token_kernel(verbose)
+    for residual in residuals:
+        residual.one_token_kernel = kernel
+    return model
+
+
+def disable_native_decoding(model: nn.Module) -> nn.Module:
+    """Back to the Python host path for every Delta residual of `model`; returns `model`."""
+    for residual in _delta_residuals(model):
+        residual.__dict__.pop("one_token_kernel", None)
+    return model

@@ -1,0 +1,214 @@
+"""The optional native decoding kernel (`ddl_hf.native`, issue 13) against the float64 reference and the plain path.
+
+The kernel is the one-token host path in one C++ call, so it is held to the host path's contract: the float64
+`delta_update` reference with beta and v computed independently here, GPT-2's bits at beta = 0, the same tokens and
+scores as the plain reference in `generate`, and only where the host path runs. It is built with the machine's C++
+compiler; where there is none, the tests that need it are skipped with the reason, and the error a user gets is
+tested instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from builders import VOCAB, delta_model, open_gates
+from test_fast_paths import CASES, Doubled, inputs, residual
+
+import ddl_hf.modeling_delta_gpt as modeling
+import ddl_hf.native as native
+from ddl_hf import DeltaLlamaConfig, DeltaLlamaForCausalLM
+from ddl_hf.delta_ops import delta_update, unit_direction
+from ddl_hf.modeling_delta_gpt import DeltaResidual
+from ddl_hf.native import NativeKernelUnavailable, disable_native_decoding, enable_native_decoding
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    problem = native.native_build_problem()
+    if problem is not None:
+        pytest.skip(f"the native kernel cannot be built here: {problem}")
+    return native.load_one_token_kernel()
+
+
+def counting(kernel, calls: list):
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    return counted
+
+
+def reference(module: DeltaResidual, state, normed, h):
+    """The module's update in float64 from its parameters, with `delta_update` (the readable reference)."""
+    p = {name: t.detach().double() for name, t in module.named_parameters()}
+    state, normed, h = state.double(), normed.double(), h.double()
+    logit = normed @ p["beta_proj.weight"].T + p["beta_proj.bias"]
+    beta = (2 * torch.sigmoid(logit) * p["beta_open"].clamp(0, 1)).squeeze(-1)
+    if module.v_proj is None:  # the constant value, as the tensors of the module's dtype hold it
+        constant = torch.tensor(module.value_constant, dtype=module.beta_open.dtype).double()
+        value = constant.expand(*beta.shape, module.value_channels)
+    else:
+        value = normed @ p["v_proj.weight"].T + p["v_proj.bias"]
+    additive = module.additive
+    out = delta_update(state, unit_direction(h, module.eps), beta, value, h if additive else None, module.erase)
+    return out, beta
+
+
+@pytest.mark.parametrize(
+    ("d_v", "mode", "expanded_view"),
+    [(d_v, mode, False) for d_v, mode in CASES] + [(4, mode, True) for mode in ("additive", "paper")],
+)
+@pytest.mark.parametrize("fields", [{}, {"delta_erase": False}, {"delta_value": "constant"}], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_update_matches_the_float64_reference(kernel, d_v, mode, expanded_view, fields, dtype):
+    module = residual(d_v, mode, dtype, **fields)
+    calls = []
+    module.one_token_kernel = counting(kernel, calls)
+    state, normed, h = inputs(d_v, dtype, shape=(1, 1), seed=7)
+    if expanded_view:  # the first state of an expanded model: the embedding repeated over d_v, stride 0
+        state = state[..., :1].expand(state.shape)
+    with torch.inference_mode():
+        out, beta = module(state, normed, h)
+    assert calls == [1]
+    expected, expected_beta = reference(module, state, normed, h)
+    assert out.shape == state.shape and out.dtype == dtype and beta.shape == (1, 1) and beta.dtype == dtype
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(beta.double(), expected_beta, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    assert not torch.equal(out, state + (h.unsqueeze(-1) if d_v > 1 else h))  # the gate is open: a real update
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_native_update_at_beta_zero_is_gpt2_bit_for_bit(kernel, d_v, mode):
+    module = residual(d_v, mode)
+    module.one_token_kernel = kernel
+    with torch.no_grad():
+        module.beta_open.fill_(0.0)
+    state, normed, h = inputs(d_v, shape=(1, 1), seed=8)
+    with torch.inference_mode():
+        out, beta = module(state, normed, h)
+    assert torch.equal(beta, torch.zeros(1, 1))
+    assert torch.equal(out, state + (h.unsqueeze(-1) if d_v > 1 else h) if mode == "additive" else state)
+
+
+def test_native_kernel_runs_only_where_the_host_path_runs(kernel, monkeypatch):
+    """Same gate as the Python host path: autograd, several tokens or rows, half precision, a hooked or wrapped
+    projection, the MLP gate and the plain reference keep the tensor path; the Python host path is not run too."""
+    host_calls, calls = [], []
+    monkeypatch.setattr(modeling, "one_token_delta_update", counting(modeling.one_token_delta_update, host_calls))
+
+    def native_runs(module, args, context=torch.no_grad) -> bool:
+        calls.clear()
+        module.one_token_kernel = counting(kernel, calls)
+        with context():
+            module(*args)
+        return bool(calls)
+
+    one = inputs(1, shape=(1, 1))
+    assert native_runs(residual(1, "additive"), one)
+    assert native_runs(residual(4, "paper"), inputs(4, shape=(1, 1)), context=torch.inference_mode)
+    assert not host_calls  # the kernel replaces the Python host path
+    assert not native_runs(residual(1, "additive"), one, context=torch.enable_grad)
+    assert not native_runs(residual(1, "additive"), inputs(1, shape=(1, 2)))
+    assert not native_runs(residual(1, "additive"), inputs(1, shape=(2, 1)))
+    assert not native_runs(residual(1, "additive", dtype=torch.bfloat16), [t.bfloat16() for t in one])
+    hooked = residual(1, "additive")
+    hooked.beta_proj.register_forward_hook(lambda m, a, out: out)
+    assert not native_runs(hooked, one)
+    wrapped = residual(1, "additive")
+    wrapped.v_proj = Doubled(*wrapped.v_proj.weight.shape[::-1])
+    assert not native_runs(wrapped, one)
+    assert not native_runs(residual(1, "additive", delta_gate="mlp"), one)
+    plain = residual(1, "additive")
+    plain.fused = False
+    assert not native_runs(plain, one)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_greedy_decoding_with_the_native_kernel_matches_the_plain_reference(kernel, d_v, mode):
+    model = delta_model(delta_value_channels=d_v, delta_mode=mode).eval()
+    open_gates(model)
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    settings = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert enable_native_decoding(model) is model
+    calls = []
+    for module in model.modules():
+        if isinstance(module, DeltaResidual):
+            module.one_token_kernel = counting(module.one_token_kernel, calls)
+    with torch.inference_mode():
+        fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        assert len(calls) == 2 * model.config.n_layer * (settings["max_new_tokens"] - 1)  # every decoding step
+        DeltaResidual.fused = False
+        try:
+            plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        finally:
+            DeltaResidual.fused = True
+    assert torch.equal(fast.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+
+
+def test_delta_llama_decodes_with_the_native_kernel(kernel):
+    config = DeltaLlamaConfig(
+        source_model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        delta_value_channels=4,
+    )
+    torch.manual_seed(0)
+    model = DeltaLlamaForCausalLM(config).eval()
+    open_gates(model)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        python = model.generate(prompt, **settings)
+        enable_native_decoding(model)
+        fast = model.generate(prompt, **settings)
+    assert all(m.one_token_kernel is not None for m in model.modules() if isinstance(m, DeltaResidual))
+    assert torch.equal(fast.sequences, python.sequences)
+    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(python.scores), rtol=1e-5, atol=1e-5)
+
+
+def test_enable_finds_the_residuals_of_a_model_loaded_as_hub_custom_code(kernel, tmp_path):
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    delta_model(delta_value_channels=4).save_pretrained(tmp_path)
+    hub_class = get_class_from_dynamic_module("modeling_delta_gpt.DeltaGPTForCausalLM", tmp_path)
+    model = hub_class.from_pretrained(tmp_path).eval()
+    residuals = [m for m in model.modules() if type(m).__name__ == "DeltaResidual"]
+    assert residuals and all(type(m) is not DeltaResidual for m in residuals)  # the Hub copy of the class
+    enable_native_decoding(model)
+    assert all(m.one_token_kernel is kernel for m in residuals)
+    disable_native_decoding(model)
+    assert all(m.one_token_kernel is None for m in residuals)
+
+
+def test_enable_refuses_a_model_without_delta_residuals():
+    with pytest.raises(ValueError, match="no Delta residuals"):
+        enable_native_decoding(torch.nn.Linear(2, 2))
+
+
+def test_a_machine_without_a_compiler_gets_an_error_that_names_it(monkeypatch):
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    model = delta_model()
+    with pytest.raises(NativeKernelUnavailable, match=r"no C\+\+ compiler .*works without it"):
+        enable_native_decoding(model)
+    # nothing was changed: the model keeps the Python host path
+    assert all(m.one_token_kernel is None for m in model.modules() if isinstance(m, DeltaResidual))
+
+
+def test_the_kernel_refuses_what_it_cannot_compute(kernel):
+    module = residual(1, "additive")
+    parameters = (module.beta_proj.weight, module.beta_proj.bias, module.v_proj.weight, module.v_proj.bias)
+    state, normed, h = inputs(1, shape=(1, 1))
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        kernel(state.bfloat16(), normed, h, *parameters, module.beta_open, 0.0, 1e-6, True, True)
+    with pytest.raises(RuntimeError, match="mixed dtypes"):
+        kernel(state, normed.double(), h, *parameters, module.beta_open, 0.0, 1e-6, True, True)
+    assert math.isfinite(float(kernel(state, normed, h, *parameters, module.beta_open, 0.0, 1e-6, True, True)[1]))
