@@ -37,18 +37,32 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import provenance, write_results  # noqa: E402
 
-MODELS = ["gpt2", "d_v=1 additive", "d_v=1 paper", "d_v=4 additive", "d_v=4 paper"]
+DELTA_MODELS = ["d_v=1 additive", "d_v=1 paper", "d_v=4 additive", "d_v=4 paper"]
 PROMPT_TOKENS = 16
 
 
+def model_names() -> list[str]:
+    """GPT-2, the DeltaGPT rows, and the same rows with the native decoding kernel where it builds here."""
+    from ddl_hf.native import native_build_problem
+
+    native = [] if native_build_problem() else [f"{name} native" for name in DELTA_MODELS]
+    return ["gpt2", *DELTA_MODELS, *native]
+
+
 def build_model(shape: dict, name: str):
-    """One row's model: GPT-2, or the DeltaGPT `d_v=D MODE` sharing its weights (bench_overhead's `build_pair`)."""
+    """One row's model: GPT-2, or the DeltaGPT `d_v=D MODE [native]` sharing its weights (bench_overhead's
+    `build_pair`; `native`: with `ddl_hf.native.enable_native_decoding`)."""
     from bench_overhead import build_pair
 
     if name == "gpt2":
         return build_pair(shape, 1, "additive")[0].eval()
-    d_v, mode = name.removeprefix("d_v=").split()
-    return build_pair(shape, int(d_v), mode)[1].eval()
+    d_v, mode, *native = name.removeprefix("d_v=").split()
+    model = build_pair(shape, int(d_v), mode)[1].eval()
+    if native:
+        from ddl_hf.native import enable_native_decoding
+
+        enable_native_decoding(model)
+    return model
 
 
 def generate(model, prompt, tokens: int) -> None:
@@ -78,7 +92,7 @@ def child(shape_name: str, new_tokens: int) -> None:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     shape = SHAPES[shape_name]
-    models = {name: build_model(shape, name) for name in MODELS}
+    models = {name: build_model(shape, name) for name in model_names()}
     prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
 
     for model in models.values():  # lazy initialisation inside torch and transformers happens here
@@ -194,7 +208,7 @@ def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
     shape = SHAPES[shape_name]
     prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     results = {}
-    for name in MODELS:
+    for name in model_names():
         model = build_model(shape, name)
         counts = {}
         for tokens in (2 + new_tokens, 1, 1 + new_tokens):  # the first is the warm-up
@@ -280,7 +294,7 @@ def main() -> None:
         for shape in tqdm(args.shapes, desc="callgrind", unit="shape"):
             counts = measure_shape(shape, args.new_tokens, Path(tmp))
             ops = count_ops(shape, args.new_tokens)
-            for model in MODELS:
+            for model in model_names():
                 first, last = counts[model][1], counts[model][1 + args.new_tokens]
 
                 def per_token(key: str, first=first, last=last) -> dict[str, float]:

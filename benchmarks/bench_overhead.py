@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import provenance, write_results
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
+from ddl_hf.native import disable_native_decoding, enable_native_decoding, native_build_problem
 
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
@@ -301,7 +302,9 @@ def bench_variant(
     gen_tokens: int,
     variant: str = "",
     fields: dict | None = None,
+    native: bool = False,
 ) -> dict:
+    """One row; `native`: also decode at batch 1 with `ddl_hf.native`'s kernel (`generation_b1_native`)."""
     shape = SHAPES[shape_name]
     gpt2, delta = build_pair(shape, value_channels, mode, fields)
     g = torch.Generator().manual_seed(1)
@@ -332,6 +335,13 @@ def bench_variant(
         prompt = torch.randint(0, shape["vocab_size"], (batch, 16), generator=g)
         result = interleaved(generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs)
         row[f"generation_b{batch}"] = with_tokens_per_s(result, batch, gen_tokens)
+        if batch == 1 and native:  # the same prompt again, with the optional native decoding kernel
+            enable_native_decoding(delta)
+            result = interleaved(
+                generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs
+            )
+            row["generation_b1_native"] = with_tokens_per_s(result, batch, gen_tokens)
+            disable_native_decoding(delta)
     return row
 
 
@@ -390,6 +400,12 @@ def goal_lines(rows: list[dict]) -> list[str]:
     checks = [
         (shape, metric, d_v, goal, base) for (shape, metric), goals in GOALS.items() for d_v, goal in goals.items()
     ]
+    checks += [  # decoding again with the optional native kernel (ddl_hf.native), against the same goal
+        (shape, metric + "_native", d_v, goal, base)
+        for (shape, metric), goals in GOALS.items()
+        if metric == "generation_b1"
+        for d_v, goal in goals.items()
+    ]
     checks += [
         (shape, "compiled_" + metric, d_v, goal, compiled)
         for shape in dict.fromkeys(shape for shape, _ in GOALS)  # the goal shapes, in order
@@ -413,9 +429,9 @@ def markdown(results: dict) -> str:
         "is better; generation: time per token), median of interleaved pairs; peak memory and saved activations at "
         "the memory batch. The `gpt2` columns of the JSON hold the baseline of either kind.",
         "",
-        "| shape | d_v | mode | variant | train step | inference fwd | gen/token b=1 | gen/token b=8 "
-        "| peak train mem | saved activations | params |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | d_v | mode | variant | train step | inference fwd | gen/token b=1 | gen/token b=1 native "
+        "| gen/token b=8 | peak train mem | saved activations | params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     eager = [r for r in results["rows"] if not r.get("compiled")]
     compiled = [r for r in results["rows"] if r.get("compiled")]
@@ -424,7 +440,9 @@ def markdown(results: dict) -> str:
             f"| {shape_label(r)} "
             f"| {r['d_v']} | {r['mode']} | {r.get('variant') or '-'} "
             f"| {r['train_step']['ratio']:.3f} | {r['inference_forward']['ratio']:.3f} "
-            f"| {r['generation_b1']['ratio']:.3f} | {r['generation_b8']['ratio']:.3f} "
+            f"| {r['generation_b1']['ratio']:.3f} "
+            f"| {format(r['generation_b1_native']['ratio'], '.3f') if 'generation_b1_native' in r else '-'} "
+            f"| {r['generation_b8']['ratio']:.3f} "
             f"| {r['peak_train_memory']['ratio']:.3f} | {r['saved_activations']['ratio']:.3f} "
             f"| {r['params']['ratio']:.5f} |"
         )
@@ -499,6 +517,11 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         help="rows with both models under torch.compile (default: on, off with --quick)",
     )
+    parser.add_argument(
+        "--native",
+        action=argparse.BooleanOptionalAction,
+        help="also decode at batch 1 with the optional native kernel, ddl_hf.native (default: on where it builds)",
+    )
     parser.add_argument("--skip-additive", action="store_true", help="leave out the additive-mode rows")
     parser.add_argument("--skip-eager", action="store_true", help="only the compiled rows")
     args = parser.parse_args()
@@ -508,6 +531,7 @@ def main() -> None:
     shapes = args.shapes or (["tiny"] if args.quick else ["small", "gpt2-small"])
     paper_variants = not args.quick if args.paper_variants is None else args.paper_variants
     with_compiled = not args.quick if args.compiled is None else args.compiled
+    native = native_build_problem() is None if args.native is None else args.native
     results = {"provenance": provenance(), "quick": args.quick, "rows": []}
     name = args.name or ("overhead_quick" if args.quick else "overhead")
     for shape_name in shapes:
@@ -527,7 +551,11 @@ def main() -> None:
                 row = bench_compiled(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens)
                 summary = f"train {row['train_step']['ratio']:.3f} gen1 {row['generation_b1']['ratio']:.3f}"
             else:
-                row = bench_variant(shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens, variant, fields)
+                row = bench_variant(
+                    shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens, variant, fields, native
+                )
+                if "generation_b1_native" in row:
+                    print(f"  native gen1 {row['generation_b1_native']['ratio']:.3f}", flush=True)
                 summary = (
                     f"train {row['train_step']['ratio']:.3f} fwd {row['inference_forward']['ratio']:.3f} "
                     f"gen1 {row['generation_b1']['ratio']:.3f} gen8 {row['generation_b8']['ratio']:.3f} "
