@@ -231,25 +231,6 @@ class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
         self.delta_history = config.delta_conv_size - 1
 
 
-def _reads_in_forward(forward):
-    """Let `DeltaResidual.forward` also do the residual's read: `self(state, read_from=(context, key))` returns
-    `(read, None)`.
-
-    The read uses this module's own `read_weights`; tools that load a module's weights only around its forward
-    (accelerate's disk / CPU offload hooks replace `forward`) would otherwise leave them on the meta device.
-    transformers' output recorder and `DeltaStatsCallback` skip the `None` in place of beta. The write path is
-    `forward` itself, untouched.
-    """
-
-    @functools.wraps(forward)
-    def wrapper(self, state: torch.Tensor, *args, read_from: tuple | None = None, **kwargs):
-        if read_from is not None:
-            return self._read(state, *read_from), None
-        return forward(self, state, *args, **kwargs)
-
-    return wrapper
-
-
 class DeltaResidual(nn.Module):
     """The Delta residual around one sublayer; shared by both modes and every number of value channels.
 
@@ -329,7 +310,7 @@ class DeltaResidual(nn.Module):
         """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels, after the
         TC / CC convolution if any (`context` and `key` locate its cached window when generating).
 
-        Runs through `self(...)` (see `_reads_in_forward`) whenever it uses a parameter and anything hooks this
+        Runs through `self(...)` (see `forward`'s `read_from`) whenever it uses a parameter and anything hooks this
         module, so that hooks which load its weights around its forward (accelerate offload) fire for the read too."""
         if self.read_conv is None and self.value_channels == 1:
             return state
@@ -344,11 +325,24 @@ class DeltaResidual(nn.Module):
             return read_conv(state, read_weights, context, key)
         return _read_channels(state, read_weights)
 
-    @_reads_in_forward
     def forward(
-        self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the new state and beta `[batch, seq_len]`."""
+        self,
+        state: torch.Tensor,
+        normed_input: torch.Tensor | None = None,
+        branch_output: torch.Tensor | None = None,
+        read_from: tuple | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the new state and beta `[batch, seq_len]`.
+
+        `read_from=(context, key)` does the residual's read instead and returns `(read, None)`: the read uses this
+        module's `read_weights`, and tools that load a module's weights only around its forward (accelerate's disk /
+        CPU offload hooks replace `forward`) would otherwise leave them on the meta device. transformers' output
+        recorder and `DeltaStatsCallback` skip the `None` in place of beta.
+        """
+        if read_from is not None:
+            return self._read(state, *read_from), None
+        if self._updates_one_token_on_host(state, normed_input, branch_output):  # decoding: checked first, cheaply
+            return self._update_one_token(state, normed_input, branch_output)
         device_type = "cpu" if state.is_cpu else state.device.type  # `device` builds an object per call
         if device_type != "meta" and torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):  # beta, v and k in float32 under autocast
@@ -365,8 +359,6 @@ class DeltaResidual(nn.Module):
         opening = parameters["beta_open"]
         dtype = opening.dtype  # the model's float dtype, also when a quantizer replaced the Linears
         c = normed_input if normed_input.dtype == dtype else normed_input.to(dtype)
-        if self._updates_one_token_on_host(state, c, branch_output):
-            return self._update_one_token(state, c, branch_output, opening)
         opening = at_least_float32(opening)
         # Without autograd the straight-through clamp is a plain clamp (same value, fewer ops for generation).
         rho = (
@@ -389,19 +381,23 @@ class DeltaResidual(nn.Module):
         return delta_update(state, k, beta, value, branch, self.erase), beta
 
     def _updates_one_token_on_host(self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor) -> bool:
-        """Whether `_update_one_token` applies: one token at batch 1 (decoding), on the CPU, without autograd, in
-        float32 / float64 throughout, outside compile / export / jit tracing (a host read-back would break the
-        graph), with plain unhooked projections and the linear gate. Everything else takes the tensor path."""
+        """Whether `_update_one_token` applies: one token at batch 1 (decoding), on the CPU, without autograd or
+        autocast, in float32 / float64 throughout (the parameters too), outside compile / export / jit tracing (a
+        host read-back would break the graph), with plain unhooked projections and the linear gate. Everything else
+        takes the tensor path."""
         modules = self._modules
         v_proj = modules.get("v_proj")
+        dtype = state.dtype
         return (
             self.fused
-            and not torch.is_grad_enabled()
             and state.is_cpu
+            and not torch.is_grad_enabled()
             and branch_output.numel() == branch_output.shape[-1]
-            and state.dtype in _WIDE_FLOATS
-            and branch_output.dtype == state.dtype
-            and c.dtype == state.dtype
+            and dtype in _WIDE_FLOATS
+            and branch_output.dtype == dtype
+            and c.dtype == dtype
+            and self._parameters["beta_open"].dtype == dtype
+            and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling()
             and not torch._C._get_tracing_state()
             and _is_plain_linear(modules["beta_proj"])
@@ -409,12 +405,13 @@ class DeltaResidual(nn.Module):
         )
 
     def _update_one_token(
-        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor, opening: torch.Tensor
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_update` for one decoded token on the CPU: beta as a Python float (the gate logit read back), v from one
         `addmv`, then `one_token_delta_update`: the same math in 28 aten operator calls instead of 42 at d_v = 1, and
-        60% of the instructions (docs/performance.md)."""
+        60% of the instructions (docs/performance.md). With `one_token_kernel` set it is one native call."""
         modules = self._modules
+        opening = self._parameters["beta_open"]
         v_proj = modules.get("v_proj")
         kernel = self.one_token_kernel
         if kernel is not None:

@@ -206,8 +206,8 @@ def test_one_decoded_token_takes_the_host_path_and_matches_the_tensor_path(monke
 
 
 def test_the_host_path_runs_only_where_it_applies(monkeypatch):
-    """Autograd, several tokens, half precision, a hooked or wrapped projection, the MLP gate, the plain reference
-    and compilation all keep the tensor path."""
+    """Autograd, autocast, several tokens, half precision, a hooked or wrapped projection, the MLP gate, the plain
+    reference and compilation all keep the tensor path."""
     calls = _spy_host_path(monkeypatch)
     module = residual(1, "additive")
     state, normed, h = inputs(1, shape=(1, 1))
@@ -224,6 +224,7 @@ def test_the_host_path_runs_only_where_it_applies(monkeypatch):
         module=residual(1, "additive", dtype=torch.float64), args=[t.double() for t in (state, normed, h)]
     )
     assert not host_path_runs(context=torch.enable_grad)
+    assert not host_path_runs(context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     assert not host_path_runs(args=inputs(1, shape=(1, 2)))
     assert not host_path_runs(args=inputs(1, shape=(2, 1)))
     half = residual(1, "additive", dtype=torch.bfloat16)

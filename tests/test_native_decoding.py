@@ -94,8 +94,9 @@ def test_native_update_at_beta_zero_is_gpt2_bit_for_bit(kernel, d_v, mode):
 
 
 def test_native_kernel_runs_only_where_the_host_path_runs(kernel, monkeypatch):
-    """Same gate as the Python host path: autograd, several tokens or rows, half precision, a hooked or wrapped
-    projection, the MLP gate and the plain reference keep the tensor path; the Python host path is not run too."""
+    """Same gate as the Python host path: autograd, autocast, several tokens or rows, half precision, a hooked or
+    wrapped projection, the MLP gate and the plain reference keep the tensor path; the Python host path does not run
+    as well."""
     host_calls, calls = [], []
     monkeypatch.setattr(modeling, "one_token_delta_update", counting(modeling.one_token_delta_update, host_calls))
 
@@ -111,6 +112,7 @@ def test_native_kernel_runs_only_where_the_host_path_runs(kernel, monkeypatch):
     assert native_runs(residual(4, "paper"), inputs(4, shape=(1, 1)), context=torch.inference_mode)
     assert not host_calls  # the kernel replaces the Python host path
     assert not native_runs(residual(1, "additive"), one, context=torch.enable_grad)
+    assert not native_runs(residual(1, "additive"), one, context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     assert not native_runs(residual(1, "additive"), inputs(1, shape=(1, 2)))
     assert not native_runs(residual(1, "additive"), inputs(1, shape=(2, 1)))
     assert not native_runs(residual(1, "additive", dtype=torch.bfloat16), [t.bfloat16() for t in one])
