@@ -16,6 +16,7 @@ the Hub model files import only torch and transformers, and a model without it g
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +38,20 @@ def native_build_problem() -> str | None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler on PATH (install g++ or clang)"
     if not is_ninja_available():
-        return "ninja is not installed (pip install ninja)"
+        _put_pip_ninja_on_path()  # torch runs `ninja` from PATH; pip's ninja may sit outside it (a venv not activated)
+        if not is_ninja_available():
+            return "ninja is not installed (pip install ninja)"
     return None
+
+
+def _put_pip_ninja_on_path() -> None:
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and Path(bin_dir, "ninja").exists():
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
 def load_one_token_kernel(verbose: bool = False) -> Callable:
