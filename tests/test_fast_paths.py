@@ -251,12 +251,17 @@ def test_greedy_decoding_on_the_host_path_matches_the_plain_reference(monkeypatc
     reference path, with the gates open so that the Delta terms matter."""
     model = delta_model(delta_value_channels=d_v, delta_mode=mode).eval()
     open_gates(model)
+    assert_greedy_decoding_matches_the_plain_reference(model, _spy_host_path(monkeypatch))
+
+
+def assert_greedy_decoding_matches_the_plain_reference(model, calls: list, new_tokens: int = 12) -> None:
+    """Greedy `generate` (batch 1, KV cache) on the decoding shortcut whose `calls` spy counts its use, against the
+    same model on the readable reference path (`DeltaResidual.fused = False`): the same tokens, scores within 1e-5."""
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
-    settings = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    calls = _spy_host_path(monkeypatch)
+    settings = dict(max_new_tokens=new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.inference_mode():
         fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
-        assert len(calls) == 2 * model.config.n_layer * (settings["max_new_tokens"] - 1)  # every decoding step
+        assert len(calls) == 2 * model.config.num_hidden_layers * (new_tokens - 1)  # every decoding step
         DeltaResidual.fused = False
         try:
             plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)

@@ -13,12 +13,13 @@ import math
 
 import pytest
 import torch
-from builders import VOCAB, delta_model, open_gates
-from test_fast_paths import CASES, Doubled, inputs, residual
+from builders import delta_model, open_gates
+from test_delta_llama import build_source, to_delta
+from test_delta_llama import open_gates as llama_open_gates
+from test_fast_paths import CASES, Doubled, assert_greedy_decoding_matches_the_plain_reference, inputs, residual
 
 import ddl_hf.modeling_delta_gpt as modeling
 import ddl_hf.native as native
-from ddl_hf import DeltaLlamaConfig, DeltaLlamaForCausalLM
 from ddl_hf.delta_ops import delta_update, unit_direction
 from ddl_hf.modeling_delta_gpt import DeltaResidual
 from ddl_hf.native import NativeKernelUnavailable, disable_native_decoding, enable_native_decoding
@@ -128,52 +129,26 @@ def test_native_kernel_runs_only_where_the_host_path_runs(kernel, monkeypatch):
     assert not native_runs(plain, one)
 
 
-@pytest.mark.parametrize(("d_v", "mode"), CASES)
-def test_greedy_decoding_with_the_native_kernel_matches_the_plain_reference(kernel, d_v, mode):
-    model = delta_model(delta_value_channels=d_v, delta_mode=mode).eval()
-    open_gates(model)
-    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
-    settings = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+def counting_kernels(model) -> list:
+    """Enable the kernel on `model` and spy on it: the returned list grows by one per kernel call."""
     assert enable_native_decoding(model) is model
     calls = []
     for module in model.modules():
         if isinstance(module, DeltaResidual):
             module.one_token_kernel = counting(module.one_token_kernel, calls)
-    with torch.inference_mode():
-        fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
-        assert len(calls) == 2 * model.config.n_layer * (settings["max_new_tokens"] - 1)  # every decoding step
-        DeltaResidual.fused = False
-        try:
-            plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
-        finally:
-            DeltaResidual.fused = True
-    assert torch.equal(fast.sequences, plain.sequences)
-    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+    return calls
+
+
+@pytest.mark.parametrize(("d_v", "mode"), CASES)
+def test_greedy_decoding_with_the_native_kernel_matches_the_plain_reference(kernel, d_v, mode):
+    model = delta_model(delta_value_channels=d_v, delta_mode=mode).eval()
+    open_gates(model)
+    assert_greedy_decoding_matches_the_plain_reference(model, counting_kernels(model))
 
 
 def test_delta_llama_decodes_with_the_native_kernel(kernel):
-    config = DeltaLlamaConfig(
-        source_model_type="llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        delta_value_channels=4,
-    )
-    torch.manual_seed(0)
-    model = DeltaLlamaForCausalLM(config).eval()
-    open_gates(model)
-    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
-    settings = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    with torch.inference_mode():
-        python = model.generate(prompt, **settings)
-        enable_native_decoding(model)
-        fast = model.generate(prompt, **settings)
-    assert all(m.one_token_kernel is not None for m in model.modules() if isinstance(m, DeltaResidual))
-    assert torch.equal(fast.sequences, python.sequences)
-    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(python.scores), rtol=1e-5, atol=1e-5)
+    model = llama_open_gates(to_delta(build_source("llama"), delta_value_channels=4))
+    assert_greedy_decoding_matches_the_plain_reference(model, counting_kernels(model), new_tokens=8)
 
 
 def test_enable_finds_the_residuals_of_a_model_loaded_as_hub_custom_code(kernel, tmp_path):
