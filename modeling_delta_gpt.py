@@ -341,8 +341,13 @@ class DeltaResidual(nn.Module):
         """
         if read_from is not None:
             return self._read(state, *read_from), None
-        if self._updates_one_token_on_host(state, normed_input, branch_output):  # decoding: checked first, cheaply
-            return self._update_one_token(state, normed_input, branch_output)
+        if self._takes_one_token_path():  # decoding: checked first, cheaply
+            if self.one_token_kernel is not None:
+                update = self._update_one_token_natively(state, normed_input, branch_output)
+                if update is not None:  # None: the kernel found these inputs outside the one-token path
+                    return update
+            elif self._updates_one_token_on_host(state, normed_input, branch_output):
+                return self._update_one_token(state, normed_input, branch_output)
         device_type = "cpu" if state.is_cpu else state.device.type  # `device` builds an object per call
         if device_type != "meta" and torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):  # beta, v and k in float32 under autocast
@@ -380,17 +385,27 @@ class DeltaResidual(nn.Module):
         branch = branch_output if self.additive else None
         return delta_update(state, k, beta, value, branch, self.erase), beta
 
-    def _updates_one_token_on_host(self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor) -> bool:
-        """Whether `_update_one_token` applies: one token at batch 1 (decoding), on the CPU, without autograd or
-        autocast, in float32 / float64 throughout (the parameters too), outside compile / export / jit tracing (a
-        host read-back would break the graph), with plain unhooked projections and the linear gate. Everything else
-        takes the tensor path."""
+    def _takes_one_token_path(self) -> bool:
+        """The half of the one-token check that does not depend on the inputs: outside compile / export / jit
+        tracing (a host read-back would break the graph; checked first, so that compiling adds no guards for the
+        rest), on the fused path, with plain unhooked projections and the linear gate."""
         modules = self._modules
         v_proj = modules.get("v_proj")
+        return (
+            not torch.compiler.is_compiling()
+            and not torch._C._get_tracing_state()
+            and self.fused
+            and _is_plain_linear(modules["beta_proj"])
+            and (v_proj is None or _is_plain_linear(v_proj))
+        )
+
+    def _updates_one_token_on_host(self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor) -> bool:
+        """Given `_takes_one_token_path`, whether `_update_one_token` applies to these inputs: one token at batch 1
+        (decoding), on the CPU, without autograd or autocast, in float32 / float64 throughout (the parameters too).
+        Everything else takes the tensor path. The native kernel checks the same conditions itself."""
         dtype = state.dtype
         return (
-            self.fused
-            and state.is_cpu
+            state.is_cpu
             and not torch.is_grad_enabled()
             and branch_output.numel() == branch_output.shape[-1]
             and dtype in _WIDE_FLOATS
@@ -398,10 +413,6 @@ class DeltaResidual(nn.Module):
             and c.dtype == dtype
             and self._parameters["beta_open"].dtype == dtype
             and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling()
-            and not torch._C._get_tracing_state()
-            and _is_plain_linear(modules["beta_proj"])
-            and (v_proj is None or _is_plain_linear(v_proj))
         )
 
     def _update_one_token(
@@ -409,29 +420,11 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_update` for one decoded token on the CPU: beta as a Python float (the gate logit read back), v from one
         `addmv`, then `one_token_delta_update`: the same math in 28 aten operator calls instead of 42 at d_v = 1, and
-        60% of the instructions (docs/performance.md). With `one_token_kernel` set it is one native call."""
+        60% of the instructions (docs/performance.md)."""
         modules = self._modules
-        opening = self._parameters["beta_open"]
         v_proj = modules.get("v_proj")
-        kernel = self.one_token_kernel
-        if kernel is not None:
-            gate, value = modules["beta_proj"]._parameters, v_proj._parameters if v_proj is not None else {}
-            return kernel(
-                state,
-                c,
-                branch_output,
-                gate["weight"],
-                gate["bias"],
-                value.get("weight"),
-                value.get("bias"),
-                opening,
-                self.__dict__.get("value_constant", 0.0),
-                self.eps,
-                self.additive,
-                self.erase,
-            )
         c = c.reshape(-1)
-        rho = min(max(opening.item(), 0.0), 1.0)
+        rho = min(max(self._parameters["beta_open"].item(), 0.0), 1.0)
         beta = 2.0 * sigmoid(_matvec(modules["beta_proj"], c).item()) * rho
         if v_proj is not None:
             value = _matvec(v_proj, c)
@@ -439,6 +432,29 @@ class DeltaResidual(nn.Module):
             value = torch.full((self.value_channels,), self.value_constant, dtype=state.dtype)
         new_state = one_token_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
         return new_state, torch.full(branch_output.shape[:-1], beta, dtype=state.dtype)
+
+    def _update_one_token_natively(
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`_update_one_token` as one call of `one_token_kernel` (`ddl_hf.native`), which returns None for inputs
+        that `_updates_one_token_on_host` would refuse."""
+        modules = self._modules
+        v_proj = modules.get("v_proj")
+        gate, value = modules["beta_proj"]._parameters, v_proj._parameters if v_proj is not None else {}
+        return self.one_token_kernel(
+            state,
+            c,
+            branch_output,
+            gate["weight"],
+            gate["bias"],
+            value.get("weight"),
+            value.get("bias"),
+            self._parameters["beta_open"],
+            self.__dict__.get("value_constant", 0.0),
+            self.eps,
+            self.additive,
+            self.erase,
+        )
 
 
 # torch's registries of global module hooks (`register_module_forward_hook`, ...): dicts filled and emptied in place.
@@ -455,7 +471,10 @@ _GLOBAL_FORWARD_HOOKS, _GLOBAL_FORWARD_PRE_HOOKS, _GLOBAL_BACKWARD_HOOKS, _GLOBA
 
 def _unhooked(module: nn.Module) -> bool:
     """Whether `module(...)` is exactly its class's `forward`: no hook of the module or a global one (DeepSpeed,
-    pruning, offload), no patched `forward` (accelerate offload) and no `module.compile()`."""
+    pruning, offload), no patched `forward` (accelerate offload) and no `module.compile()`. False while compiling:
+    dynamo traces module calls itself, and these lookups would only add guards to every compiled call."""
+    if torch.compiler.is_compiling():
+        return False
     attributes = module.__dict__  # dict lookups: a miss on the module itself costs an AttributeError
     return not (
         attributes["_forward_hooks"]
@@ -469,6 +488,13 @@ def _unhooked(module: nn.Module) -> bool:
         or "forward" in attributes
         or attributes.get("_compiled_call_impl") is not None
     )
+
+
+def call_unhooked(module: nn.Module, *args: object) -> object:
+    """`module(*args)`, skipping nn.Module's call machinery where `_unhooked` shows that it would add nothing: it costs
+    about as much as a Delta residual's whole one-token update (~1.5 µs, more when the matmuls have flushed the
+    caches), twice per layer and token when decoding."""
+    return module.forward(*args) if _unhooked(module) else module(*args)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
@@ -797,10 +823,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states, attn_beta = attn_delta(hidden_states, normed, attn_output)
+        hidden_states, attn_beta = call_unhooked(attn_delta, hidden_states, normed, attn_output)
 
         normed = self.ln_2(mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
-        hidden_states, mlp_beta = mlp_delta(hidden_states, normed, self.mlp(normed))
+        hidden_states, mlp_beta = call_unhooked(mlp_delta, hidden_states, normed, self.mlp(normed))
         return hidden_states, attn_beta, mlp_beta
 
 

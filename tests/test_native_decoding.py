@@ -9,8 +9,6 @@ tested instead.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from builders import delta_model, open_gates
@@ -34,9 +32,13 @@ def kernel():
 
 
 def counting(kernel, calls: list):
+    """`kernel`, appending to `calls` each time it updates (the native kernel returns None for inputs it declines)."""
+
     def counted(*args):
-        calls.append(1)
-        return kernel(*args)
+        result = kernel(*args)
+        if result is not None:
+            calls.append(1)
+        return result
 
     return counted
 
@@ -180,12 +182,28 @@ def test_a_machine_without_a_compiler_gets_an_error_that_names_it(monkeypatch):
     assert all(m.one_token_kernel is None for m in model.modules() if isinstance(m, DeltaResidual))
 
 
-def test_the_kernel_refuses_what_it_cannot_compute(kernel):
+def test_the_kernel_declines_what_the_host_path_declines_and_refuses_malformed_inputs(kernel):
+    """None (the caller keeps the tensor path) for autograd, CPU autocast, several tokens, half precision, mixed
+    dtypes and tensors off the CPU; an error for sizes that do not fit together."""
     module = residual(1, "additive")
-    parameters = (module.beta_proj.weight, module.beta_proj.bias, module.v_proj.weight, module.v_proj.bias)
+    gate, value = module.beta_proj, module.v_proj
     state, normed, h = inputs(1, shape=(1, 1))
-    with pytest.raises(RuntimeError, match="float32 or float64"):
-        kernel(state.bfloat16(), normed, h, *parameters, module.beta_open, 0.0, 1e-6, True, True)
-    with pytest.raises(RuntimeError, match="mixed dtypes"):
-        kernel(state, normed.double(), h, *parameters, module.beta_open, 0.0, 1e-6, True, True)
-    assert math.isfinite(float(kernel(state, normed, h, *parameters, module.beta_open, 0.0, 1e-6, True, True)[1]))
+
+    def update(state=state, normed=normed, h=h, gate_weight=gate.weight):
+        parameters = (gate_weight, gate.bias, value.weight, value.bias, module.beta_open)
+        return kernel(state, normed, h, *parameters, 0.0, 1e-6, True, True)
+
+    assert update() is None  # autograd is on
+    with torch.no_grad():
+        new_state, beta = update()
+        assert new_state.shape == state.shape and beta.shape == (1, 1)
+        assert update(state=state.bfloat16(), normed=normed.bfloat16(), h=h.bfloat16()) is None
+        assert update(normed=normed.double()) is None
+        assert update(state=state.expand(1, 2, -1), normed=normed.expand(1, 2, -1), h=h.expand(1, 2, -1)) is None
+        assert update(state=state.to("meta")) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert update() is None
+        with pytest.raises(RuntimeError, match="sizes do not match"):
+            update(state=state[..., :-1])
+        with pytest.raises(RuntimeError, match="D -> 1 linear layer"):
+            update(gate_weight=gate.weight[:, :-1])

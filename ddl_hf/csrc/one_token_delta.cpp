@@ -6,10 +6,10 @@
 // X' = X + h s^T. Decoding one token is all per-call overhead in Python (~14 tensor calls per Delta block); here it
 // is one. Sums run in double precision; X' is formed in the tensor dtype, X + s h, so beta == 0 gives X + h
 // (additive) or X (paper) bit for bit, as in the Python paths.
+#include <ATen/autocast_mode.h>
 #include <torch/extension.h>
 
 #include <cmath>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -79,30 +79,37 @@ void update(const at::Tensor& state, const at::Tensor& c, const at::Tensor& h, c
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> one_token_delta_update(const at::Tensor& state, const at::Tensor& c,
-                                                          const at::Tensor& h, const at::Tensor& gate_weight,
-                                                          const c10::optional<at::Tensor>& gate_bias,
-                                                          const c10::optional<at::Tensor>& value_weight,
-                                                          const c10::optional<at::Tensor>& value_bias,
-                                                          const at::Tensor& beta_open, double value_constant,
-                                                          double eps, bool additive, bool erase) {
+bool same_dtype_on_cpu(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype && t.device().is_cpu();
+}
+
+bool same_dtype_on_cpu(const c10::optional<at::Tensor>& t, at::ScalarType dtype) {
+  return !t.has_value() || same_dtype_on_cpu(*t, dtype);
+}
+
+// (new state, beta), or None where the one-token update does not apply and the caller keeps the tensor path. This
+// is the input-dependent half of DeltaResidual._updates_one_token_on_host (autograd or CPU autocast on, more than
+// one row, not every tensor on the CPU in the state's float32 / float64 dtype), for less than Python's cost of it.
+py::object one_token_delta_update(const at::Tensor& state, const at::Tensor& c, const at::Tensor& h,
+                                  const at::Tensor& gate_weight, const c10::optional<at::Tensor>& gate_bias,
+                                  const c10::optional<at::Tensor>& value_weight,
+                                  const c10::optional<at::Tensor>& value_bias, const at::Tensor& beta_open,
+                                  double value_constant, double eps, bool additive, bool erase) {
+  const auto dtype = state.scalar_type();
+  const bool applies = !at::GradMode::is_enabled() && !at::autocast::is_autocast_enabled(at::kCPU) && h.dim() > 0 &&
+                       h.numel() == h.size(-1) && (dtype == at::kFloat || dtype == at::kDouble) &&
+                       same_dtype_on_cpu(state, dtype) && same_dtype_on_cpu(c, dtype) && same_dtype_on_cpu(h, dtype) &&
+                       same_dtype_on_cpu(gate_weight, dtype) && same_dtype_on_cpu(gate_bias, dtype) &&
+                       same_dtype_on_cpu(value_weight, dtype) && same_dtype_on_cpu(value_bias, dtype) &&
+                       same_dtype_on_cpu(beta_open, dtype);
+  if (!applies) return py::none();
   const int64_t d = h.numel();
   const int64_t value_channels = state.numel() / d;
-  TORCH_CHECK(h.size(-1) == d, "one token at batch 1 only: the sublayer output must be [..., D] with one row");
   TORCH_CHECK(state.numel() == d * value_channels && c.numel() == d, "state / input sizes do not match h");
-  TORCH_CHECK(state.device().is_cpu() && h.device().is_cpu(), "CPU tensors only");
-  const auto dtype = state.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "float32 or float64 only");
-  for (const at::Tensor* t : {&c, &h, &gate_weight}) TORCH_CHECK(t->scalar_type() == dtype, "mixed dtypes");
   TORCH_CHECK(gate_weight.numel() == d, "the gate must be a D -> 1 linear layer");
-  if (value_weight.has_value()) {
-    TORCH_CHECK(value_weight->scalar_type() == dtype && value_weight->numel() == d * value_channels,
-                "the value projection must be a D -> d_v linear layer of the state's dtype");
-  }
-  if (gate_bias.has_value()) TORCH_CHECK(gate_bias->scalar_type() == dtype, "mixed dtypes");
-  if (value_bias.has_value()) TORCH_CHECK(value_bias->scalar_type() == dtype, "mixed dtypes");
-
-  TORCH_CHECK(beta_open.scalar_type() == dtype && beta_open.numel() == 1, "beta_open: one number of the state's dtype");
+  TORCH_CHECK(!value_weight.has_value() || value_weight->numel() == d * value_channels,
+              "the value projection must be a D -> d_v linear layer");
+  TORCH_CHECK(beta_open.numel() == 1, "beta_open must be one number");
   const at::Tensor x = state.contiguous();  // also materialises the first layer's expand view (stride 0)
   const auto cc = c.contiguous(), hc = h.contiguous(), gw = gate_weight.contiguous();
   const c10::optional<at::Tensor> vw =
@@ -121,12 +128,12 @@ std::tuple<at::Tensor, at::Tensor> one_token_delta_update(const at::Tensor& stat
                    value_channels, out, beta);
     *beta_out.data_ptr<double>() = beta;
   }
-  return {out, beta_out};
+  return py::make_tuple(out, beta_out);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("one_token_delta_update", &one_token_delta_update,
-        "The Delta residual update for one decoded token: (new state, beta).");
+        "The Delta residual update for one decoded token: (new state, beta), or None where it does not apply.");
 }
