@@ -28,6 +28,7 @@ timed. `fullgraph=True` makes any graph break in a Delta block an error.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import statistics
@@ -388,6 +389,33 @@ def bench_compiled(
     return row
 
 
+METRICS_AA = ("train_step", "generation_b1")  # what the A/A noise floor times
+
+
+def aa_pairs(row: dict) -> list[tuple[str, dict]]:
+    return [(metric, row[metric]) for metric in METRICS_AA]
+
+
+def bench_noise_floor(shape_name: str, pairs: int, gen_pairs: int, gen_tokens: int) -> dict:
+    """The baseline against a copy of itself (A/A), timed exactly as the rows are: how far a ratio of this run
+    strays from 1.0 when nothing differs. A Delta ratio inside this spread is not told apart from the baseline."""
+    shape = SHAPES[shape_name]
+    baseline = build_pair(shape, 1, "additive")[0]
+    twin = copy.deepcopy(baseline)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+    row = {"shape": shape_name, **shape, "torch_threads": torch.get_num_threads()}
+    step_a, _ = train_step_fn(baseline, ids)
+    step_b, _ = train_step_fn(twin, ids)
+    row["train_step"] = interleaved(step_a, step_b, pairs)
+    for model in (baseline, twin):
+        model.eval()
+    prompt = torch.randint(0, shape["vocab_size"], (1, 16), generator=g)
+    result = interleaved(generate_fn(baseline, prompt, gen_tokens), generate_fn(twin, prompt, gen_tokens), gen_pairs)
+    row["generation_b1"] = with_tokens_per_s(result, 1, gen_tokens)
+    return row
+
+
 def shape_label(r: dict) -> str:
     return f"{r['shape']} (L{r['n_layer']} D{r['n_embd']} T{r['seq']} B{r['batch']}, memory B{r['memory_batch']})"
 
@@ -484,6 +512,18 @@ def markdown(results: dict) -> str:
                 f"| {t['gpt2_s']:.3f} → {t['delta_s']:.3f} "
                 f"| {g1['gpt2_tokens_per_s']:.1f} → {g1['delta_tokens_per_s']:.1f} |"
             )
+    if results.get("noise_floor"):
+        lines += [
+            "",
+            "Noise floor: the baseline against a copy of itself (A/A), same pairs and order as the rows above. Median "
+            "ratio [smallest, largest single pair]; a Delta ratio within this spread is not told apart from 1.0:",
+            "",
+            "| shape | train step | gen/token b=1 |",
+            "|---|---|---|",
+        ]
+        for r in results["noise_floor"]:
+            cells = [f"{t['ratio']:.3f} [{t['ratio_min']:.3f}, {t['ratio_max']:.3f}]" for _, t in aa_pairs(r)]
+            lines.append(f"| {r['shape']} | {cells[0]} | {cells[1]} |")
     goals = goal_lines(results["rows"])
     if goals:
         lines += ["", "Goals (issue 13), this run's median ratios:", "", *goals]
@@ -522,6 +562,11 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         help="also decode at batch 1 with the optional native kernel, ddl_hf.native (default: on where it builds)",
     )
+    parser.add_argument(
+        "--noise-floor",
+        action=argparse.BooleanOptionalAction,
+        help="time the baseline against a copy of itself per shape, the A/A spread (default: on, off with --quick)",
+    )
     parser.add_argument("--skip-additive", action="store_true", help="leave out the additive-mode rows")
     parser.add_argument("--skip-eager", action="store_true", help="only the compiled rows")
     args = parser.parse_args()
@@ -532,7 +577,8 @@ def main() -> None:
     paper_variants = not args.quick if args.paper_variants is None else args.paper_variants
     with_compiled = not args.quick if args.compiled is None else args.compiled
     native = native_build_problem() is None if args.native is None else args.native
-    results = {"provenance": provenance(), "quick": args.quick, "rows": []}
+    noise_floor = not args.quick if args.noise_floor is None else args.noise_floor
+    results = {"provenance": provenance(), "quick": args.quick, "rows": [], "noise_floor": []}
     name = args.name or ("overhead_quick" if args.quick else "overhead")
     for shape_name in shapes:
         large = shape_name == "gpt2-small"
@@ -545,6 +591,11 @@ def main() -> None:
         jobs = [] if args.skip_eager else [(False, *run) for run in runs]
         if with_compiled:
             jobs += [(True, d_v, mode, "", {}) for d_v, mode in COMPILED_VARIANTS]
+        if noise_floor:
+            row = bench_noise_floor(shape_name, pairs, gen_pairs, gen_tokens)
+            results["noise_floor"].append(row)
+            spreads = [f"{k} {r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]" for k, r in aa_pairs(row)]
+            print(f"{shape_name:10s} A/A noise floor: {' '.join(spreads)}", flush=True)
         for compiled, value_channels, mode, variant, fields in jobs:
             start = time.perf_counter()
             if compiled:
