@@ -341,7 +341,7 @@ class DeltaResidual(nn.Module):
         """
         if read_from is not None:
             return self._read(state, *read_from), None
-        if self._takes_one_token_path():  # decoding: checked first, cheaply
+        if not torch.is_grad_enabled() and self._takes_one_token_path():  # decoding: checked first, cheaply
             if self.one_token_kernel is not None:
                 update = self._update_one_token_natively(state, normed_input, branch_output)
                 if update is not None:  # None: the kernel found these inputs outside the one-token path
@@ -400,13 +400,12 @@ class DeltaResidual(nn.Module):
         )
 
     def _updates_one_token_on_host(self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor) -> bool:
-        """Given `_takes_one_token_path`, whether `_update_one_token` applies to these inputs: one token at batch 1
-        (decoding), on the CPU, without autograd or autocast, in float32 / float64 throughout (the parameters too).
-        Everything else takes the tensor path. The native kernel checks the same conditions itself."""
+        """Given autograd off and `_takes_one_token_path`, whether `_update_one_token` applies to these inputs: one
+        token at batch 1 (decoding), on the CPU, without autocast, in float32 / float64 throughout (the parameters
+        too). Everything else takes the tensor path. The native kernel checks the same conditions itself."""
         dtype = state.dtype
         return (
             state.is_cpu
-            and not torch.is_grad_enabled()
             and branch_output.numel() == branch_output.shape[-1]
             and dtype in _WIDE_FLOATS
             and branch_output.dtype == dtype
