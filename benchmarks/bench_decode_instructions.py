@@ -18,6 +18,8 @@ moves only when the code does; the CPU-time ratios of bench_overhead.py remain t
                                                                    # half an hour, building its models under valgrind)
     python benchmarks/bench_decode_instructions.py --shapes small  # about 5 minutes
     python benchmarks/bench_decode_instructions.py --shapes tiny   # a minute or two
+    python benchmarks/bench_decode_instructions.py --shapes tiny --attribution --name decode_instructions_tiny
+                                            # + what each part of the native model's per-step work costs
 
 Needs `valgrind` on PATH. Writes benchmarks/results/decode_instructions.{json,md}.
 """
@@ -41,12 +43,47 @@ DELTA_MODELS = ["d_v=1 additive", "d_v=1 paper", "d_v=4 additive", "d_v=4 paper"
 PROMPT_TOKENS = 16
 
 
-def model_names() -> list[str]:
-    """GPT-2, the DeltaGPT rows, and the same rows with the native decoding kernel where it builds here."""
+# Attribution rows (`--attribution`): the d_v = 1 additive native model with one more part of its per-step work
+# taken out in each row, so that the differences between rows say what each part costs. Their outputs are wrong
+# (the residual updates are replaced by GPT-2's add): they are only counted.
+ATTRIBUTION = [
+    "native, residual updates stubbed",
+    "native, stubbed, no input checks",
+    "native, stubbed, no checks, not remote code",
+]
+
+
+def model_names(attribution: bool = False) -> list[str]:
+    """GPT-2, the DeltaGPT rows, and the same rows with the native decoding kernel where it builds here (then the
+    attribution rows, if asked for)."""
     from ddl_hf.native import native_build_problem
 
     native = [] if native_build_problem() else [f"{name} native" for name in DELTA_MODELS]
-    return ["gpt2", *DELTA_MODELS, *native]
+    return ["gpt2", *DELTA_MODELS, *native, *(ATTRIBUTION if attribution and native else [])]
+
+
+def attribution_model(shape: dict, name: str):
+    """An attribution row's model: `d_v=1 additive native`, then, cumulatively, residual updates that only add
+    the sublayer output, no input validation (`_check_inputs` and the cache / placement checks), and a class that
+    transformers does not treat as remote code (no per-step signature probe in `generate`)."""
+    from bench_overhead import build_pair
+
+    from ddl_hf.native import enable_native_decoding
+
+    model = enable_native_decoding(build_pair(shape, 1, "additive")[1].eval())
+    level = ATTRIBUTION.index(name)
+    for block in model.transformer.h:
+        for residual in (block.attn_delta, block.mlp_delta):
+            residual.forward = lambda state, normed_input=None, branch_output=None, read_from=None: (
+                state + branch_output,
+                None,
+            )
+    if level >= 1:
+        for check in ("_check_inputs", "check_window_cache", "_check_read_out_placement"):
+            setattr(model.transformer, check, lambda *args, **kwargs: None)
+    if level >= 2:
+        model.__class__ = type("NotRemoteCode", (type(model),), {"_auto_class": None})
+    return model
 
 
 def build_model(shape: dict, name: str):
@@ -56,6 +93,8 @@ def build_model(shape: dict, name: str):
 
     if name == "gpt2":
         return build_pair(shape, 1, "additive")[0].eval()
+    if name in ATTRIBUTION:
+        return attribution_model(shape, name)
     d_v, mode, *native = name.removeprefix("d_v=").split()
     model = build_pair(shape, int(d_v), mode)[1].eval()
     if native:
@@ -81,7 +120,7 @@ def generate(model, prompt, tokens: int) -> None:
     assert out.shape[1] == prompt.shape[1] + tokens
 
 
-def child(shape_name: str, new_tokens: int) -> None:
+def child(shape_name: str, new_tokens: int, attribution: bool) -> None:
     """Build every model of one shape and generate when told to: the process that callgrind counts.
 
     Protocol on stdout/stdin: `window MODEL TOKENS` (then waits for a line), generates, `done` (waits again)."""
@@ -92,7 +131,7 @@ def child(shape_name: str, new_tokens: int) -> None:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     shape = SHAPES[shape_name]
-    models = {name: build_model(shape, name) for name in model_names()}
+    models = {name: build_model(shape, name) for name in model_names(attribution)}
     prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
 
     for model in models.values():  # lazy initialisation inside torch and transformers happens here
@@ -147,11 +186,12 @@ def self_costs(dump: str) -> tuple[dict[str, int], dict[str, int]]:
     return dict(by_object), dict(by_function)
 
 
-def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, dict[int, dict]]:
+def measure_shape(shape_name: str, new_tokens: int, folder: Path, attribution: bool) -> dict[str, dict[int, dict]]:
     """{model: {new tokens: {"total", "by_object", "by_function"}}}: instructions of that generate call alone."""
     out = folder / f"callgrind-{shape_name}"
     command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     command += [sys.executable, __file__, "--child", shape_name, str(new_tokens)]
+    command += ["--attribution"] if attribution else []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
     child_process = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -193,7 +233,7 @@ def measure_shape(shape_name: str, new_tokens: int, folder: Path) -> dict[str, d
     return counts
 
 
-def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
+def count_ops(shape_name: str, new_tokens: int, attribution: bool) -> dict[str, dict]:
     """{model: {"per_token": aten ops per decoding step, "by_op": {op: calls per step}}}, counted by torch.profiler.
 
     The same windows as the instruction count (1 and 1 + N new tokens after a warm-up), in this process: every
@@ -208,7 +248,7 @@ def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
     shape = SHAPES[shape_name]
     prompt = torch.randint(1, shape["vocab_size"], (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     results = {}
-    for name in model_names():
+    for name in model_names(attribution):
         model = build_model(shape, name)
         counts = {}
         for tokens in (2 + new_tokens, 1, 1 + new_tokens):  # the first is the warm-up
@@ -219,6 +259,41 @@ def count_ops(shape_name: str, new_tokens: int) -> dict[str, dict]:
         by_op = {op: n for op, n in sorted(by_op.items(), key=lambda item: -item[1]) if n}
         results[name] = {"per_token": sum(by_op.values()), "by_op": by_op}
     return results
+
+
+def attribution_lines(rows: list[dict]) -> list[str]:
+    """What each part of the native d_v = 1 model's per-step work costs: the instructions per token that each
+    attribution row (one more part taken out) saves over the row before it, and what is left over GPT-2."""
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        per_token = {r["model"]: r["per_token"] for r in rows if r["shape"] == shape}
+        if not all(name in per_token for name in ATTRIBUTION):
+            continue
+        chain = ["d_v=1 additive native", *ATTRIBUTION]
+        added = per_token[chain[0]] - per_token["gpt2"]
+        parts = [
+            (
+                "the residual updates beyond an add (the native kernel's call and the Python around it)",
+                chain[0],
+                chain[1],
+            ),
+            ("input validation (`_check_inputs`, cache and placement checks)", chain[1], chain[2]),
+            ("transformers' per-step signature probe of remote-code models", chain[2], chain[3]),
+        ]
+        lines += [
+            "",
+            f"Where `d_v=1 additive native` spends its {added:,.0f} added instructions per token ({shape}): each "
+            "attribution row takes one more part out (its outputs are then wrong; it is only counted):",
+            "",
+            "| part | instructions per token | share |",
+            "|---|---|---|",
+        ]
+        for label, before, after in parts:
+            cost = per_token[before] - per_token[after]
+            lines.append(f"| {label} | {cost:,.0f} | {cost / added:.0%} |")
+        rest = per_token[chain[-1]] - per_token["gpt2"]
+        lines.append(f"| the rest of the model's per-step Python over GPT-2's | {rest:,.0f} | {rest / added:.0%} |")
+    return lines
 
 
 def markdown(results: dict) -> str:
@@ -237,6 +312,7 @@ def markdown(results: dict) -> str:
             f"{'' if base else format(row['ratio'], '.3f')} | {row['ops_per_token']:,.0f} | "
             f"{'' if base else format(row['ops_ratio'], '.3f')} |"
         )
+    lines += attribution_lines(results["rows"])
     lines += [
         "",
         "Aten operator calls per decoding step that each DeltaGPT adds to GPT-2's (torch.profiler, same windows; "
@@ -246,7 +322,7 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|",
     ]
     for row in results["rows"]:
-        if row["model"] != "gpt2":
+        if row["model"] != "gpt2" and row["model"] not in ATTRIBUTION:
             added = ", ".join(f"{op.removeprefix('aten::')} {n:g}" for op, n in row["added_ops_per_block"][:8])
             lines.append(f"| {row['shape']} | {row['model']} | {row['added_per_block']:.1f} | {added} |")
     lines += [
@@ -258,7 +334,7 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for row in results["rows"]:
-        if row["model"] == "gpt2" or "added_instructions_by_object" not in row:
+        if row["model"] in ("gpt2", *ATTRIBUTION) or "added_instructions_by_object" not in row:
             continue
         total = sum(n for _, n in row["added_instructions_by_object"])
         objects = ", ".join(
@@ -277,10 +353,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8, help="N: decoding steps in the difference")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     parser.add_argument("--name", default="decode_instructions", help="basename of the result files")
+    parser.add_argument(
+        "--attribution",
+        action="store_true",
+        help="also count rows that take the native model's per-step work apart (residual, input checks, ...)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child[0], int(args.child[1]))
+        return child(args.child[0], int(args.child[1]), args.attribution)
     if shutil.which("valgrind") is None:
         sys.exit("error: valgrind is not on PATH; install it (e.g. `apt-get install valgrind`) to count instructions")
     import torch
@@ -292,9 +373,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in tqdm(args.shapes, desc="callgrind", unit="shape"):
-            counts = measure_shape(shape, args.new_tokens, Path(tmp))
-            ops = count_ops(shape, args.new_tokens)
-            for model in model_names():
+            counts = measure_shape(shape, args.new_tokens, Path(tmp), args.attribution)
+            ops = count_ops(shape, args.new_tokens, args.attribution)
+            for model in model_names(args.attribution):
                 first, last = counts[model][1], counts[model][1 + args.new_tokens]
 
                 def per_token(key: str, first=first, last=last) -> dict[str, float]:
