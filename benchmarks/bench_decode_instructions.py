@@ -72,12 +72,14 @@ def attribution_model(shape: dict, name: str):
 
     model = enable_native_decoding(build_pair(shape, 1, "additive")[1].eval())
     level = ATTRIBUTION.index(name)
+
+    def add_only(self, state, normed_input=None, branch_output=None, read_from=None):
+        return state + branch_output, None
+
+    # A subclass, not an instance `forward`: the block calls it as it calls the real one (no nn.Module call).
     for block in model.transformer.h:
         for residual in (block.attn_delta, block.mlp_delta):
-            residual.forward = lambda state, normed_input=None, branch_output=None, read_from=None: (
-                state + branch_output,
-                None,
-            )
+            residual.__class__ = type("AddOnlyResidual", (type(residual),), {"forward": add_only})
     if level >= 1:
         for check in ("_check_inputs", "check_window_cache", "_check_read_out_placement"):
             setattr(model.transformer, check, lambda *args, **kwargs: None)
