@@ -7,7 +7,9 @@ median of the per-pair ratios DeltaGPT / GPT-2 (absolute times are not comparabl
 
 Time is the process CPU time with one torch thread by default (`--threads`): on a shared machine it does not count
 the time other tenants hold the cores, which is what makes wall-clock ratios swing there. Wall-clock medians and
-ratios are recorded next to it in the JSON.
+ratios are recorded next to it in the JSON. Caches and memory bandwidth are still shared, so each shape also times
+the baseline against a deep copy of itself with the same pairs (the A/A noise floor; `--no-noise-floor` skips it):
+how far a ratio strays from 1.0 when nothing differs.
 
 Peak training memory is measured exactly at the tensor-allocator level: bytes held by parameters and AdamW state
 before a step, plus the maximum of the running sum of every allocation and free recorded by
