@@ -310,13 +310,11 @@ class DeltaResidual(nn.Module):
         """The sublayer's input: the state itself (d_v = 1), or `X w_read` over the value channels, after the
         TC / CC convolution if any (`context` and `key` locate its cached window when generating).
 
-        Runs through `self(...)` (see `forward`'s `read_from`) whenever it uses a parameter and anything hooks this
-        module, so that hooks which load its weights around its forward (accelerate offload) fire for the read too."""
+        Runs through this module's call (see `forward`'s `read_from`) whenever it uses a parameter, so that hooks
+        which load its weights around its forward (accelerate offload) fire for the read too."""
         if self.read_conv is None and self.value_channels == 1:
             return state
-        if _unhooked(self):  # nn.Module's call machinery costs as much as the read itself when decoding
-            return self._read(state, context, key)
-        return self(state, read_from=(context, key))[0]
+        return call_unhooked(self, state, read_from=(context, key))[0]
 
     def _read(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
         read_weights = self._parameters.get("read_weights")  # from the dicts, as in `_update`
@@ -489,11 +487,11 @@ def _unhooked(module: nn.Module) -> bool:
     )
 
 
-def call_unhooked(module: nn.Module, *args: object) -> object:
-    """`module(*args)`, skipping nn.Module's call machinery where `_unhooked` shows that it would add nothing: it costs
-    about as much as a Delta residual's whole one-token update (~1.5 µs, more when the matmuls have flushed the
-    caches), twice per layer and token when decoding."""
-    return module.forward(*args) if _unhooked(module) else module(*args)
+def call_unhooked(module: nn.Module, *args: object, **kwargs: object) -> object:
+    """`module(*args, **kwargs)`, skipping nn.Module's call machinery where `_unhooked` shows that it would add
+    nothing: it costs about as much as a Delta residual's whole one-token update or read (~1.5 µs, more when the
+    matmuls have flushed the caches), up to four times per layer and token when decoding."""
+    return module.forward(*args, **kwargs) if _unhooked(module) else module(*args, **kwargs)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
