@@ -1,6 +1,6 @@
 """DeltaGPT configuration: GPT-2's config plus the Deep Delta Learning residual settings.
 
-Self-contained Hub custom-code file: it imports only transformers.
+Self-contained Hub custom-code file: it imports only torch, transformers and its sibling `delta_compat.py`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,11 @@ import dataclasses
 import math
 import warnings
 
+# First: importing delta_compat checks the installed transformers / torch, so that this file, the first Hub file
+# transformers loads, stops below the supported range with one clear error.
+from .delta_compat import MINIMUM_TRANSFORMERS  # noqa: F401
+
+# isort: split
 from transformers import GPT2Config
 
 DELTA_MODES = ("additive", "paper")
@@ -201,6 +206,7 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
     """
 
     model_type = "delta_gpt"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache output, named `cache` from transformers 5.24
 
     # The Delta residual's fields (delta_mode ... delta_eps) come from DeltaResidualConfigMixin.
     token_mixer: str = "attention"

@@ -51,7 +51,7 @@ class DeltaLlamaConfig(PreTrainedConfig, DeltaResidualConfigMixin):
     """
 
     model_type = "delta_llama"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache output, named `cache` from transformers 5.24
     # The sublayer between the Delta residuals is always the family's softmax attention (no DeltaNet mixer here).
     token_mixer = "attention"
 

@@ -9,8 +9,9 @@ model family and every test can share them:
 * `delta_rule_recurrent` / `delta_rule_chunkwise`: DeltaNet's delta rule over the sequence, one token at a time
   (the reference and the decoding step) and chunkwise-parallel (training and prefill).
 
-Self-contained Hub custom-code file: it imports only torch. `modeling_delta_gpt.py` imports it relatively, and
-transformers' `save_pretrained` copies it next to the weights with the other two code files.
+Self-contained Hub custom-code file: it imports only torch and, for torch's `scan` op, its sibling `delta_compat.py`.
+`modeling_delta_gpt.py` imports it relatively, and transformers' `save_pretrained` copies it next to the weights with
+the other code files.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 
 import torch
 from torch import nn
+
+from .delta_compat import scan
 
 # ----------------------------------------------------------------------------------------------------------------
 # The Delta math: the one place where the update rule lives.
@@ -571,9 +574,7 @@ def delta_rule_chunkwise(
 
     xs = (q_carry, k, u, scores, *([w] if erase else []), *([last, keep] if last is not None else []))
     if exporting:
-        from torch._higher_order_ops.scan import scan
-
-        state, o = scan(hand_over, state, xs, dim=2)
+        state, o = scan(hand_over, state, xs, dim=2)  # torch's scan op, through delta_compat
     else:  # across chunks: carry the state (unbind: see delta_rule_recurrent)
         outputs = []
         for xs_n in zip(*(x.unbind(2) for x in xs)):

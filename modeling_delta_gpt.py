@@ -9,12 +9,14 @@ Reads top to bottom like `modeling_gpt2.py`: the Delta residual (the module arou
 mixer and its cache, the block, the pretrained base, the model and its heads. The tensor math itself lives in
 `delta_ops.py`.
 
-Self-contained Hub custom-code file: it imports only torch, transformers and its two sibling files
-(`configuration_delta_gpt.py`, `delta_ops.py`), which `save_pretrained` copies next to the weights.
+Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
+(`configuration_delta_gpt.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained` copies next to the
+weights. Whatever differs between transformers / torch releases is absorbed in `delta_compat.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -24,6 +26,20 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+# First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
+from .delta_compat import (
+    CACHE_ARG,
+    OutputRecorder,
+    cache_argument,
+    cache_of,
+    capture_outputs,
+    is_unhooked,
+    merge_with_config_defaults,
+    takes_cache,
+)
+
+# isort: split
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
 from transformers.generation import GenerationMixin, GenerationMode
@@ -39,8 +55,6 @@ from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
-from transformers.utils.generic import maybe_autocast, merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_delta_gpt import DeltaGPTConfig
 from .delta_ops import (
@@ -346,11 +360,8 @@ class DeltaResidual(nn.Module):
                     return update
             elif self._updates_one_token_on_host(state, normed_input, branch_output):
                 return self._update_one_token(state, normed_input, branch_output)
-        device_type = "cpu" if state.is_cpu else state.device.type  # `device` builds an object per call
-        if device_type != "meta" and torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):  # beta, v and k in float32 under autocast
-                return self._update(state, normed_input, branch_output)
-        return self._update(state, normed_input, branch_output)  # no autocast context to enter and leave
+        with autocast_off("cpu" if state.is_cpu else state.device.type):  # `device` builds an object per call
+            return self._update(state, normed_input, branch_output)
 
     def _update(
         self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
@@ -391,7 +402,7 @@ class DeltaResidual(nn.Module):
         v_proj = modules.get("v_proj")
         return (
             not torch.compiler.is_compiling()
-            and not torch._C._get_tracing_state()
+            and not torch.jit.is_tracing()
             and self.fused
             and _is_plain_linear(modules["beta_proj"])
             and (v_proj is None or _is_plain_linear(v_proj))
@@ -454,50 +465,25 @@ class DeltaResidual(nn.Module):
         )
 
 
-# torch's registries of global module hooks (`register_module_forward_hook`, ...): dicts filled and emptied in place.
-_GLOBAL_FORWARD_HOOKS, _GLOBAL_FORWARD_PRE_HOOKS, _GLOBAL_BACKWARD_HOOKS, _GLOBAL_BACKWARD_PRE_HOOKS = (
-    getattr(torch.nn.modules.module, name, {})
-    for name in (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
-    )
-)
-
-
-def _unhooked(module: nn.Module) -> bool:
-    """Whether `module(...)` is exactly its class's `forward`: no hook of the module or a global one (DeepSpeed,
-    pruning, offload), no patched `forward` (accelerate offload) and no `module.compile()`. False while compiling:
-    dynamo traces module calls itself, and these lookups would only add guards to every compiled call."""
-    if torch.compiler.is_compiling():
-        return False
-    attributes = module.__dict__  # dict lookups: a miss on the module itself costs an AttributeError
-    return not (
-        attributes["_forward_hooks"]
-        or attributes["_forward_pre_hooks"]
-        or attributes["_backward_hooks"]
-        or attributes["_backward_pre_hooks"]
-        or _GLOBAL_FORWARD_HOOKS
-        or _GLOBAL_FORWARD_PRE_HOOKS
-        or _GLOBAL_BACKWARD_HOOKS
-        or _GLOBAL_BACKWARD_PRE_HOOKS
-        or "forward" in attributes
-        or attributes.get("_compiled_call_impl") is not None
-    )
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast switched off, so that beta, k, v and the delta rule run in float32 under fp16 / bf16 autocast; no
+    context at all where autocast is not on (nothing to enter and leave, no autocast node in a compiled graph)."""
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def call_unhooked(module: nn.Module, *args: object, **kwargs: object) -> object:
-    """`module(*args, **kwargs)`, skipping nn.Module's call machinery where `_unhooked` shows that it would add
+    """`module(*args, **kwargs)`, skipping nn.Module's call machinery where `is_unhooked` shows that it would add
     nothing: it costs about as much as a Delta residual's whole one-token update or read (~1.5 µs, more when the
     matmuls have flushed the caches), up to four times per layer and token when decoding."""
-    return module.forward(*args, **kwargs) if _unhooked(module) else module(*args, **kwargs)
+    return module.forward(*args, **kwargs) if is_unhooked(module) else module(*args, **kwargs)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
     """Whether calling `module(x)` is exactly `F.linear(x, weight, bias)`: an unhooked `nn.Linear` itself, not a
     subclass or replacement (dynamic quantization, LoRA)."""
-    return type(module) is nn.Linear and _unhooked(module)
+    return type(module) is nn.Linear and is_unhooked(module)
 
 
 def _read_channels(state: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -575,7 +561,7 @@ _NO_CACHE_ROLLBACK = (
 class DeltaNetCache(DeltaWindowsMixin, Cache):
     """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors.
 
-    `DeltaGPTModel` and `generate` create it; pass one yourself as `past_key_values=DeltaNetCache(config)`.
+    `DeltaGPTModel` and `generate` create it; pass one yourself as `cache=DeltaNetCache(config)`.
     """
 
     def __init__(self, config: DeltaGPTConfig):
@@ -606,7 +592,7 @@ def require_delta_net_cache(cache: Cache | None) -> None:
     if cache is not None and not isinstance(cache, DeltaNetCache):
         raise TypeError(
             f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
-            "pass past_key_values=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
+            "pass cache=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
         )
 
 
@@ -669,18 +655,18 @@ class DeltaNetAttention(nn.Module):
         self.o_proj = nn.Linear(self.inner_dim, hidden_size)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
+    @takes_cache
     def forward(
         self,
         hidden_states: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         document_starts: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """`document_starts` `[B, T]` bool (packed rows, see `packed_document_starts`): the recurrent state and
-        the conv window restart there."""
+        the conv window restart there. The cache comes under GPT2Attention's name (`takes_cache`)."""
         batch, seq_len, _ = hidden_states.shape
-        cache = past_key_values
         require_delta_net_cache(cache)
         token_mask = None
         if attention_mask is not None:
@@ -701,7 +687,7 @@ class DeltaNetAttention(nn.Module):
 
         # The delta rule in float32 with autocast off (as the Delta residual): under bf16/fp16 autocast its matmuls
         # would otherwise round the state every token. It returns v's dtype.
-        with maybe_autocast(hidden_states.device.type, enabled=False):
+        with autocast_off(hidden_states.device.type):
             rule = dict(erase=self.erase, document_starts=document_starts)
             if seq_len == 1:  # decoding: one rank-1 update (a shape-only branch: export with T >= 2 never sees it)
                 o, state = delta_rule_recurrent(q, k, v, beta, initial_state, **rule)
@@ -765,7 +751,7 @@ def packed_document_starts(
             raise ValueError(
                 "Packed input (position_ids restarting at 0 or cu_seq_lens) cannot continue a cache that already "
                 f"holds {past_seen_tokens} tokens, whose recurrent state / convolution windows belong to "
-                "the previous document. Run packed rows without past_key_values (or with an empty cache)."
+                "the previous document. Run packed rows without a cache (or with an empty one)."
             )
         return None  # nothing starts: the usual decoding path
     return starts
@@ -802,7 +788,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         use_cache: bool | None = False,
         delta_context: DeltaConvContext | None = None,
@@ -815,9 +801,9 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
             kwargs["document_starts"] = delta_context.document_starts  # attention reads documents from its mask
         attn_output, _ = self.attn(
             normed,
-            past_key_values=past_key_values,
             attention_mask=attention_mask,
             use_cache=use_cache,
+            **cache_argument(cache),
             **kwargs,
         )
         hidden_states, attn_beta = call_unhooked(attn_delta, hidden_states, normed, attn_output)
@@ -909,7 +895,7 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaGPTBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache, under either name
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_attention_backend = True
@@ -1041,14 +1027,14 @@ class DeltaStateMixin:
 
     Needs `value_channels`, `embed_expand`, `read_out` and `read_out_conv` on the model."""
 
-    def check_window_cache(self, past_key_values: Cache | None) -> None:
+    def check_window_cache(self, cache: Cache | None) -> None:
         """TC / EC variants convolve over tokens: refuse a cache that cannot keep their windows."""
         config = self.config
-        if config.delta_temporal and past_key_values is not None and not isinstance(past_key_values, DeltaWindowsMixin):
+        if config.delta_temporal and cache is not None and not isinstance(cache, DeltaWindowsMixin):
             raise TypeError(
                 f"delta_state_read={config.delta_state_read!r} / delta_embed_expand="
                 f"{config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
-                f"got {type(past_key_values).__name__}; pass past_key_values=DeltaStateCache(model.config) or let the "
+                f"got {type(cache).__name__}; pass cache=DeltaStateCache(model.config) or let the "
                 "model create it (use_cache=True)."
             )
 
@@ -1120,13 +1106,14 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
     def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
         self.wte = new_embeddings
 
+    @takes_cache
     @merge_with_config_defaults
     @_hidden_states_contract
     @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -1135,9 +1122,10 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         **kwargs,
     ) -> DeltaGPTModelOutput:
         r"""
-        Same inputs as `GPT2Model.forward`. `output_betas=True` returns `betas`: one `[batch, seq_len]` tensor per
-        Delta block. With `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of the expanded
-        states, and `output_expanded_states=True` returns the states `[.., hidden_size, d_v]` themselves.
+        Same inputs as `GPT2Model.forward`; the cache is `cache` or, as before transformers 5.24, `past_key_values`.
+        `output_betas=True` returns `betas`: one `[batch, seq_len]` tensor per Delta block. With
+        `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of the expanded states, and
+        `output_expanded_states=True` returns the states `[.., hidden_size, d_v]` themselves.
 
         A copy of `GPT2Model.forward` (embeddings, mask, blocks, `ln_f`) except for three Delta steps: the cache
         of a DeltaNet mixer, the expansion of the embedding over the value channels, and the read-out before `ln_f`.
@@ -1164,16 +1152,16 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
             attention_mask = attention_mask.get(self.config.layer_types[0])
         delta_net = self.config.token_mixer == "delta_net"
         temporal = self.config.delta_temporal
-        if use_cache and past_key_values is None:
+        if use_cache and cache is None:
             if delta_net:
-                past_key_values = DeltaNetCache(self.config)
+                cache = DeltaNetCache(self.config)
             else:
-                past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
+                cache = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
         if delta_net:
-            require_delta_net_cache(past_key_values)
+            require_delta_net_cache(cache)
         else:
-            self.check_window_cache(past_key_values)
-        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            self.check_window_cache(cache)
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
         self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
 
         document_starts = None
@@ -1196,7 +1184,7 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         checkpointing = self.gradient_checkpointing and self.training
         delta_context = DeltaConvContext(
             token_mask=attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None,
-            cache=past_key_values if temporal and not checkpointing else None,
+            cache=cache if temporal and not checkpointing else None,
             document_starts=document_starts,
         )
         if delta_net:  # causal by construction: DeltaNet only needs the 2-D padding mask
@@ -1208,8 +1196,8 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 position_ids=position_ids,
+                **cache_argument(cache),
             )
 
         hidden_states = self.expand_state(self.drop(hidden_states), delta_context)
@@ -1217,7 +1205,7 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         for block in self.h:
             hidden_states, *_ = block(
                 hidden_states,
-                past_key_values if not checkpointing else None,
+                cache if not checkpointing else None,
                 causal_mask,
                 use_cache=use_cache,
                 position_ids=position_ids,
@@ -1231,7 +1219,7 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
 
         return DeltaGPTModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_argument(cache if use_cache else None),
             # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
             expanded_states=(final_state,) if hand_over_final_state else None,
         )
@@ -1302,10 +1290,10 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate` builds a DynamicCache from the config; a DeltaNet model needs its recurrent-state cache."""
-        wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
         delta_net = self.config.token_mixer == "delta_net"
         if delta_net:
-            require_delta_net_cache(model_kwargs.get("past_key_values"))  # before generate asks it for its length
+            require_delta_net_cache(model_kwargs.get(CACHE_ARG))  # before generate asks it for its length
             if getattr(generation_config, "is_assistant", False):
                 raise ValueError(_NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
         if not (delta_net or self.config.delta_temporal) or not wants_new_cache:
@@ -1316,14 +1304,15 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
                 "token_mixer='delta_net' or a temporal Delta variant (their caches keep recurrent states or "
                 "convolution windows). Leave cache_implementation unset."
             )
-        model_kwargs["past_key_values"] = DeltaNetCache(self.config) if delta_net else DeltaStateCache(self.config)
+        model_kwargs[CACHE_ARG] = DeltaNetCache(self.config) if delta_net else DeltaStateCache(self.config)
 
     @_signature_computed_once
+    @takes_cache
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -1339,7 +1328,7 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         """
         outputs: DeltaGPTModelOutput = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -1357,7 +1346,7 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         return DeltaGPTCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_argument(cache_of(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             betas=outputs.betas,
@@ -1376,11 +1365,12 @@ class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
         self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
         self.post_init()
 
+    @takes_cache
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -1391,7 +1381,7 @@ class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
     ) -> DeltaGPTSequenceClassifierOutput:
         outputs: DeltaGPTModelOutput = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -1422,7 +1412,7 @@ class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
         return DeltaGPTSequenceClassifierOutput(
             loss=loss,
             logits=pooled_logits,
-            past_key_values=outputs.past_key_values,
+            **cache_argument(cache_of(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             betas=outputs.betas,
@@ -1442,11 +1432,12 @@ class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @takes_cache
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -1457,7 +1448,7 @@ class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
     ) -> DeltaGPTTokenClassifierOutput:
         outputs: DeltaGPTModelOutput = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,

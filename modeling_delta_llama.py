@@ -10,8 +10,8 @@ Reads top to bottom like `modeling_llama.py`: the family table, the decoder laye
 and the causal LM head. The Delta residual itself, its state convolutions and caches live in `modeling_delta_gpt.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
-(`configuration_delta_llama.py`, `modeling_delta_gpt.py` and theirs), which `save_pretrained` copies next to the
-weights.
+(`configuration_delta_llama.py`, `modeling_delta_gpt.py` and theirs, `delta_compat.py` among them), which
+`save_pretrained` copies next to the weights.
 """
 
 from __future__ import annotations
@@ -21,6 +21,19 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+# First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
+from .delta_compat import (
+    CACHE_ARG,
+    OutputRecorder,
+    cache_argument,
+    cache_of,
+    capture_outputs,
+    merge_with_config_defaults,
+    takes_cache,
+)
+
+# isort: split
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -38,8 +51,6 @@ from transformers.models.mistral.modeling_mistral import (
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 from transformers.utils import can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from .modeling_delta_gpt import (
@@ -153,7 +164,7 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         delta_context: DeltaConvContext | None = None,
@@ -166,9 +177,9 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
             hidden_states=normed,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            **cache_argument(cache),
             **kwargs,
         )
         hidden_states, attn_beta = call_unhooked(self.attn_delta, hidden_states, normed, attn_output)
@@ -259,6 +270,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
     def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
         self.embed_tokens = new_embeddings
 
+    @takes_cache
     @merge_with_config_defaults
     @_hidden_states_contract
     @capture_outputs
@@ -267,7 +279,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
@@ -291,10 +303,10 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         temporal = self.config.delta_temporal
-        if use_cache and past_key_values is None:
-            past_key_values = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
-        self.check_window_cache(past_key_values)
-        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
+        self.check_window_cache(cache)
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
         batch_size, seq_len = inputs_embeds.shape[:2]
 
         document_starts = None
@@ -311,7 +323,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
                 "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
+                **cache_argument(cache),
                 "position_ids": position_ids,
             }
             causal_mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
@@ -322,7 +334,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         checkpointing = self.gradient_checkpointing and self.training
         delta_context = DeltaConvContext(
             token_mask=token_mask,
-            cache=past_key_values if temporal and not checkpointing else None,
+            cache=cache if temporal and not checkpointing else None,
             document_starts=document_starts,
         )
 
@@ -336,7 +348,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
                 attention_mask=causal_mask_mapping[self.layer_types[i]],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache if not checkpointing else None,  # recomputed layers must not write to it twice
                 use_cache=use_cache,
                 delta_context=delta_context,
                 **kwargs,
@@ -346,7 +358,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         hidden_states = self.norm(self.read_state_out(hidden_states, delta_context))
         return DeltaLlamaModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_argument(cache if use_cache else None),
             # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
             expanded_states=(final_state,) if hand_over_final_state else None,
         )
@@ -364,7 +376,7 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate` builds a DynamicCache from the config; a temporal variant needs the cache with its windows."""
-        wants_new_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
         if not self.config.delta_temporal or not wants_new_cache:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -372,16 +384,17 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported with a temporal "
                 "Delta variant (its cache keeps convolution windows). Leave cache_implementation unset."
             )
-        model_kwargs["past_key_values"] = DeltaStateCache(self.config)
+        model_kwargs[CACHE_ARG] = DeltaStateCache(self.config)
 
     @_signature_computed_once
+    @takes_cache
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -396,7 +409,7 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -411,7 +424,7 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
         return DeltaLlamaCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_argument(cache_of(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             betas=outputs.betas,

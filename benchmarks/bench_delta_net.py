@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from _common import provenance, write_results  # noqa: E402
 
+from ddl_hf.delta_compat import cache_of  # noqa: E402
+
 BATCH, HEADS, HEAD_DIM, CHUNK = 1, 4, 64, 64
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 METHODS = ("chunkwise", "recurrent", "sdpa")
@@ -139,11 +141,11 @@ def generation_per_token(mixer: str, contexts: tuple[int, ...]) -> list[dict]:
         model(torch.randint(0, 1024, (1, 64)), use_cache=True)  # warm-up
         for context in contexts:
             out = model(torch.randint(0, 1024, (1, context)), use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
             times = []
             for _ in range(GEN_STEPS):
                 start = time.perf_counter()
-                out = model(token, past_key_values=cache, use_cache=True)
+                out = model(token, cache=cache, use_cache=True)
                 times.append(time.perf_counter() - start)
                 token = out.logits[:, -1:].argmax(-1)
             ms = 1e3 * statistics.median(times)

@@ -19,6 +19,7 @@ from transformers import (
 
 import ddl_hf
 from ddl_hf import ConversionError, DeltaLlamaConfig, DeltaLlamaForCausalLM
+from ddl_hf.delta_compat import cache_of
 
 VOCAB = 97
 PAD = 0
@@ -151,7 +152,7 @@ def test_cached_generation_equals_uncached(family, overrides):
     with torch.no_grad():  # the last step's logits, too: cached prefill + one step == one full forward
         full = model(cached[:, :-1]).logits[:, -1]
         step = model(cached[:, :-2], use_cache=True)
-        last = model(cached[:, -2:-1], past_key_values=step.past_key_values).logits[:, -1]
+        last = model(cached[:, -2:-1], cache=cache_of(step)).logits[:, -1]
     torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
 
 
@@ -243,6 +244,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "configuration_delta_gpt.py",
         "modeling_delta_gpt.py",
         "delta_ops.py",
+        "delta_compat.py",
     } <= files
     ids = random_ids(2, 9)
     with torch.no_grad():

@@ -224,7 +224,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(overrides):
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain_loss, plain = gradients()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     mlp_calls = []
     model.model.layers[0].mlp.register_forward_hook(lambda *_: mlp_calls.append(1))
     loss, checkpointed = gradients()

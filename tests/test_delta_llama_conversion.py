@@ -44,6 +44,7 @@ CUSTOM_CODE = (
     "configuration_delta_gpt.py",
     "modeling_delta_gpt.py",
     "delta_ops.py",
+    "delta_compat.py",
 )
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 HUB_ID = "someone/tiny-mistral"

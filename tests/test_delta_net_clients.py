@@ -14,6 +14,7 @@ from torch.nn.functional import normalize
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf.delta_compat import cache_of
 from ddl_hf.delta_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
 from ddl_hf.modeling_delta_gpt import DeltaNetCache
 
@@ -232,13 +233,13 @@ def test_packed_input_with_a_filled_cache_is_refused():
     model = tiny_model()
     _, ids, position_ids, _ = packed_row()
     with torch.no_grad():
-        cache = model(ids[:, :4], use_cache=True).past_key_values  # an empty cache is fine: a prefill
-        out = model(ids, position_ids=position_ids, past_key_values=DeltaNetCache(model.config), use_cache=True)
-        assert out.past_key_values.get_seq_length() == 32
+        cache = cache_of(model(ids[:, :4], use_cache=True))  # an empty cache is fine: a prefill
+        out = model(ids, position_ids=position_ids, cache=DeltaNetCache(model.config), use_cache=True)
+        assert cache_of(out).get_seq_length() == 32
         with pytest.raises(ValueError, match=r"Packed input .* cannot continue a cache that already holds 4 tokens"):
-            model(ids[:, 4:], position_ids=position_ids[:, 4:], past_key_values=cache, use_cache=True)
+            model(ids[:, 4:], position_ids=position_ids[:, 4:], cache=cache, use_cache=True)
         with pytest.raises(ValueError, match="cannot continue a cache"):
-            model(ids[:, 4:6], past_key_values=cache, cu_seq_lens_q=torch.tensor([0, 2]), use_cache=True)
+            model(ids[:, 4:6], cache=cache, cu_seq_lens_q=torch.tensor([0, 2]), use_cache=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

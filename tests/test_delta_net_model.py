@@ -11,6 +11,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf.delta_compat import cache_of
 from ddl_hf.delta_ops import delta_rule_recurrent
 from ddl_hf.modeling_delta_gpt import DeltaNetAttention, DeltaNetCache
 
@@ -152,10 +153,10 @@ def test_cached_forward_equals_full_forward(overrides):
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :13], use_cache=True)  # prefill (chunked, padded), then a 2-token step, then 1 at a time
-        cache, pieces = out.past_key_values, [out.logits]
+        cache, pieces = cache_of(out), [out.logits]
         assert isinstance(cache, DeltaNetCache) and cache.get_seq_length() == 13
         for start, stop in [(13, 15), *((t, t + 1) for t in range(15, 30))]:
-            out = model(ids[:, start:stop], past_key_values=cache, use_cache=True)
+            out = model(ids[:, start:stop], cache=cache, use_cache=True)
             pieces.append(out.logits)
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
     assert cache.get_seq_length() == 30
@@ -212,7 +213,7 @@ def test_wrong_cache_or_mask_raise_clear_errors():
     model = delta_model(DELTA_NET)
     ids = torch.randint(0, VOCAB, (1, 6))
     with pytest.raises(TypeError, match="needs a DeltaNetCache"):
-        model(ids, past_key_values=DynamicCache(), use_cache=True)
+        model(ids, cache=DynamicCache(), use_cache=True)
     with pytest.raises(ValueError, match="2-D"):
         model(ids, attention_mask=torch.ones(1, 1, 6, 6))
     with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
@@ -230,7 +231,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = delta_model(DELTA_NET, seed=1).train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any(".attn.conv1d." in n for n in grads[0])

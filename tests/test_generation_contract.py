@@ -15,6 +15,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddl_hf
+from ddl_hf.delta_compat import CACHE_ARG, cache_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +44,7 @@ def test_the_mixer_is_declared_per_model(attention_model, delta_net_model):
     assert not ddl_hf.DeltaGPTForCausalLM._is_stateful  # per instance: the class serves both mixers
     # transformers' own generic consumer of layer_types: no context parallelism across a recurrent state
     assert not delta_net_model.supports_context_parallel and attention_model.supports_context_parallel
-    cache = delta_net_model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+    cache = cache_of(delta_net_model(torch.tensor([[1, 2, 3]]), use_cache=True))
     assert all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
     assert cache.has_previous_state(0) and cache.get_seq_length() == 3 and not cache.is_compileable
 
@@ -102,9 +103,9 @@ def test_static_and_config_built_caches_are_refused_for_delta_net(delta_net_mode
     config = delta_net_model.config
     for cache in (StaticCache(config=config, max_cache_len=16), DynamicCache(config=config)):
         with pytest.raises(TypeError, match=f"needs a DeltaNetCache, got {type(cache).__name__}"):
-            delta_net_model.generate(prompt, past_key_values=cache, **GREEDY)
+            delta_net_model.generate(prompt, **{CACHE_ARG: cache}, **GREEDY)
         with pytest.raises(TypeError, match="needs a DeltaNetCache"):
-            delta_net_model(prompt, past_key_values=cache, use_cache=True)
+            delta_net_model(prompt, cache=cache, use_cache=True)
 
 
 def test_delta_net_decoding_compiles_with_fullgraph(delta_net_model, prompt):
@@ -116,13 +117,13 @@ def test_delta_net_decoding_compiles_with_fullgraph(delta_net_model, prompt):
 
     assert delta_net_model._can_compile_fullgraph
     torch._dynamo.reset()
-    step = torch.compile(lambda ids, cache: delta_net_model(ids, past_key_values=cache, use_cache=True).logits,
+    step = torch.compile(lambda ids, cache: delta_net_model(ids, cache=cache, use_cache=True).logits,
                          fullgraph=True, backend="eager")  # fmt: skip
     with torch.no_grad():
-        compiled_cache = delta_net_model(prompt, use_cache=True).past_key_values
-        eager_cache = delta_net_model(prompt, use_cache=True).past_key_values
+        compiled_cache = cache_of(delta_net_model(prompt, use_cache=True))
+        eager_cache = cache_of(delta_net_model(prompt, use_cache=True))
         for token in (prompt[:, :1], prompt[:, 1:2]):
-            eager = delta_net_model(token, past_key_values=eager_cache, use_cache=True).logits
+            eager = delta_net_model(token, cache=eager_cache, use_cache=True).logits
             assert (step(token, compiled_cache) - eager).abs().max() <= 1e-5
         config = CompileConfig(fullgraph=True)
         config._compile_all_devices = True  # let generate consider compiling on CPU

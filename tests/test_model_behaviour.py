@@ -18,6 +18,7 @@ from transformers import (
 )
 
 import ddl_hf
+from ddl_hf.delta_compat import cache_of
 
 MODES = [("additive", 1), ("additive", 4), ("paper", 1), ("paper", 3)]
 
@@ -45,7 +46,7 @@ def test_cached_forward_matches_full_forward() -> None:
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :7], use_cache=True)
-        rest = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True).logits
+        rest = model(ids[:, 7:], cache=cache_of(first), use_cache=True).logits
     assert torch.allclose(torch.cat([first.logits, rest], dim=1), full, atol=1e-5)
 
 
@@ -73,7 +74,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode: str, value_channe
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
         model = gated_model(mode, value_channels).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model(ids, labels=ids).loss.backward()
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
@@ -359,6 +360,7 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
         "modeling_delta_gpt.py",
         "modeling_delta_llama.py",
         "delta_ops.py",
+        "delta_compat.py",
     ],
 )
 def test_the_package_modules_are_the_root_hub_files(name: str) -> None:

@@ -8,6 +8,7 @@ import torch
 from builders import VOCAB, delta_model, open_gates
 
 import ddl_hf
+from ddl_hf.delta_compat import cache_of
 from ddl_hf.delta_ops import channel_conv, channel_conv_read_weight, temporal_conv
 from ddl_hf.modeling_delta_gpt import DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 
@@ -98,11 +99,11 @@ def test_cached_generation_equals_uncached_and_stepwise_forward(overrides: dict)
     with torch.no_grad():
         full = model(ids).logits
         first = model(ids[:, :6], use_cache=True)
-        cache = first.past_key_values
+        cache = cache_of(first)
         assert isinstance(cache, ddl_hf.DeltaNetCache if "token_mixer" in overrides else DeltaStateCache)
         steps = [first.logits]
         for t in range(6, 10):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
 
     prompt = ids[:1, :5]
@@ -166,10 +167,10 @@ def test_cache_operations_and_memory_do_not_grow_with_the_context() -> None:
     config = model.config
     ids = torch.randint(1, VOCAB, (3, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        cache = model(ids[:, :8], use_cache=True).past_key_values
+        cache = cache_of(model(ids[:, :8], use_cache=True))
         sizes = []
         for t in range(8, 12):
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
             sizes.append(cache.delta_window_bytes())
     # Per sequence: K entries (K - 1 kept + the current token) of D * d_v floats at each of the 2 n_layer sublayer
     # reads and the final read, and of D floats for the embedding window.
@@ -195,4 +196,4 @@ def test_temporal_variant_refuses_a_cache_without_windows() -> None:
 
     model = variant_model(**TEMPORAL[0])
     with pytest.raises(TypeError, match="DeltaStateCache"):
-        model(torch.ones(1, 3, dtype=torch.long), past_key_values=DynamicCache(), use_cache=True)
+        model(torch.ones(1, 3, dtype=torch.long), cache=DynamicCache(), use_cache=True)
