@@ -53,13 +53,33 @@ ATTRIBUTION = [
 ]
 
 
+# Fast-path rows (`--attribution`): the default d_v = 1 additive model (Python path) with the fast paths that need
+# torch's hook registries (delta_compat.is_unhooked) switched off, as they are where delta_compat cannot read them:
+# first the residuals' calls go through nn.Module's call machinery (`call_unhooked` skips it), then the gate and value
+# projections too (which also turns the one-token host path off). Their outputs are right.
+FAST_PATH_ROWS = ["d_v=1 additive, module calls", "d_v=1 additive, no fast paths"]
+
+
 def model_names(attribution: bool = False) -> list[str]:
     """GPT-2, the DeltaGPT rows, and the same rows with the native decoding kernel where it builds here (then the
-    attribution rows, if asked for)."""
+    attribution and fast-path rows, if asked for)."""
     from ddl_hf.native import native_build_problem
 
     native = [] if native_build_problem() else [f"{name} native" for name in DELTA_MODELS]
-    return ["gpt2", *DELTA_MODELS, *native, *(ATTRIBUTION if attribution and native else [])]
+    extra = [*(ATTRIBUTION if native else []), *FAST_PATH_ROWS] if attribution else []
+    return ["gpt2", *DELTA_MODELS, *native, *extra]
+
+
+def without_fast_paths(model, name: str):
+    """A fast-path row's model: an instance `forward` on each residual (and, for the second row, on its gate and
+    value projections) makes `is_unhooked` answer no, so those calls take nn.Module's call machinery, exactly as
+    where delta_compat's hook probe failed."""
+    for residual in model.delta_residuals().values():
+        residual.forward = residual.forward
+        if name == FAST_PATH_ROWS[1]:
+            for linear in (residual.beta_proj, residual.v_proj):
+                linear.forward = linear.forward
+    return model
 
 
 def attribution_model(shape: dict, name: str):
@@ -97,6 +117,8 @@ def build_model(shape: dict, name: str):
         return build_pair(shape, 1, "additive")[0].eval()
     if name in ATTRIBUTION:
         return attribution_model(shape, name)
+    if name in FAST_PATH_ROWS:
+        return without_fast_paths(build_pair(shape, 1, "additive")[1].eval(), name)
     d_v, mode, *native = name.removeprefix("d_v=").split()
     model = build_pair(shape, int(d_v), mode)[1].eval()
     if native:
@@ -295,6 +317,23 @@ def attribution_lines(rows: list[dict]) -> list[str]:
             lines.append(f"| {label} | {cost:,.0f} | {cost / added:.0%} |")
         rest = per_token[chain[-1]] - per_token["gpt2"]
         lines.append(f"| the rest of the model's per-step Python over GPT-2's | {rest:,.0f} | {rest / added:.0%} |")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        per_token = {r["model"]: r["per_token"] for r in rows if r["shape"] == shape}
+        if not all(name in per_token for name in FAST_PATH_ROWS):
+            continue
+        base, gpt2 = per_token["d_v=1 additive"], per_token["gpt2"]
+        lines += [
+            "",
+            f"What the fast paths that read torch's hook registries save ({shape}, d_v=1 additive, Python path): the "
+            "rows with them off, as where `delta_compat` cannot read the registries:",
+            "",
+            "| row | instructions per token | over the default | ratio to GPT-2 |",
+            "|---|---|---|---|",
+            f"| default | {base:,.0f} | | {base / gpt2:.3f} |",
+        ]
+        for name in FAST_PATH_ROWS:
+            cost = per_token[name]
+            lines.append(f"| {name.split(', ')[1]} | {cost:,.0f} | +{cost - base:,.0f} | {cost / gpt2:.3f} |")
     return lines
 
 
@@ -358,7 +397,8 @@ def main() -> None:
     parser.add_argument(
         "--attribution",
         action="store_true",
-        help="also count rows that take the native model's per-step work apart (residual, input checks, ...)",
+        help="also count rows that take the native model's per-step work apart (residual, input checks, ...) and "
+        "rows without the fast paths that read torch's hook registries",
     )
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()

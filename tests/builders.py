@@ -170,6 +170,16 @@ def scramble_delta_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 param.copy_(0.5 + 0.5 * torch.randn(param.shape, generator=generator))
 
 
+def enable_activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs: Any) -> None:
+    """transformers' activation checkpointing under the installed release's name: `activation_checkpointing_enable`
+    from transformers 5.23 (which deprecates `gradient_checkpointing_enable`), the old name before."""
+    kwargs = checkpoint_kwargs or None
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over the words of `texts` (id 0 = `<|endoftext|>`: BOS, EOS and padding, as GPT-2's),
     for tools that take text and a tokenizer (trl): a vocabulary of tens, so the tiny models stay tiny."""

@@ -64,3 +64,37 @@ def test_self_costs_of_a_real_dump_sum_to_its_total(tmp_path):
     by_object, by_function = bench_decode_instructions.self_costs(dump)
     assert sum(by_object.values()) == sum(by_function.values()) == total
     assert any(name.startswith(("libpython", "python")) for name in by_object)  # the interpreter is one of them
+
+
+def test_fast_path_rows_switch_off_what_the_hook_registries_allow_and_keep_the_tokens(monkeypatch):
+    """The rows that price the hook-registry fast paths: the same tokens as the default model, with the residuals
+    (and, in the second row, their projections) called through nn.Module, as where delta_compat cannot read torch's
+    hooks. Counted: one residual update per block and token, through the host path only in the first row."""
+    import torch
+    from bench_overhead import SHAPES
+
+    from ddl_hf import modeling_delta_gpt as modeling
+    from ddl_hf.delta_compat import is_unhooked
+
+    calls = []
+    original = modeling.one_token_delta_update
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "one_token_delta_update", counted)
+    shape = SHAPES["tiny"]
+    prompt = torch.randint(1, shape["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        expected = bench_decode_instructions.build_model(shape, "d_v=1 additive").generate(prompt, **greedy)
+    for name, host_path in zip(bench_decode_instructions.FAST_PATH_ROWS, (True, False)):
+        model = bench_decode_instructions.build_model(shape, name)
+        residual = model.transformer.h[0].attn_delta
+        assert not is_unhooked(residual) and is_unhooked(residual.beta_proj) is host_path
+        calls.clear()
+        with torch.inference_mode():
+            tokens = model.generate(prompt, **greedy)
+        assert torch.equal(tokens, expected), name
+        assert len(calls) == (2 * 2 * shape["n_layer"] if host_path else 0), name  # 2 decoding steps

@@ -14,6 +14,7 @@ import io
 import pytest
 import test_delta_llama
 import torch
+from builders import enable_activation_checkpointing
 from gpt2_fixtures import EOS, byte_tokenizer
 from peft import IA3Config, LoraConfig, TaskType, get_peft_model
 from test_delta_llama import FAMILIES
@@ -224,7 +225,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(overrides):
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain_loss, plain = gradients()
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     mlp_calls = []
     model.model.layers[0].mlp.register_forward_hook(lambda *_: mlp_calls.append(1))
     loss, checkpointed = gradients()

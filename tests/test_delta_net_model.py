@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import DELTA_NET, delta_config, delta_model
+from builders import DELTA_NET, delta_config, delta_model, enable_activation_checkpointing
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments
 from transformers.cache_utils import LinearAttentionLayer
@@ -231,7 +231,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = delta_model(DELTA_NET, seed=1).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any(".attn.conv1d." in n for n in grads[0])

@@ -11,7 +11,15 @@ import logging
 
 import pytest
 import torch
-from builders import BYTE_LEVEL, CLIENT_VARIANTS, VOCAB, delta_model, gpt2_model, scramble_delta_weights
+from builders import (
+    BYTE_LEVEL,
+    CLIENT_VARIANTS,
+    VOCAB,
+    delta_model,
+    enable_activation_checkpointing,
+    gpt2_model,
+    scramble_delta_weights,
+)
 from gpt2_fixtures import byte_tokenizer
 from test_delta_llama import FAMILIES, build_source, open_gates, random_ids
 from transformers import AutoModelForCausalLM, StaticCache, Trainer, TrainingArguments, pipeline
@@ -107,7 +115,7 @@ def test_trainer_steps_with_and_without_activation_checkpointing(tmp_path):
     for checkpointing in (False, True):
         model = delta_model(CLIENT_VARIANTS["paper-dv4"]).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         args = TrainingArguments(
             tmp_path / str(checkpointing), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import VOCAB, delta_config, delta_model, open_gates
+from builders import VOCAB, delta_config, delta_model, enable_activation_checkpointing, open_gates
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -74,7 +74,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode: str, value_channe
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
         model = gated_model(mode, value_channels).train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model, use_reentrant=False)
         model(ids, labels=ids).loss.backward()
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
