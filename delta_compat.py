@@ -9,7 +9,8 @@ and torch the *user* has installed, so pinning the package cannot protect them. 
   and model output. `CACHE_ARG` is the installed name, `cache_argument` passes a cache under it, and `takes_cache`
   lets our forwards take either name;
 - transformers' internal model-code utilities and override points, imported or checked here, so that a release that
-  moves one fails at import with a message instead of changing behaviour;
+  moves one fails at import with a message instead of changing behaviour; helpers that older releases lack
+  (`slice_logits_to_keep`, before 5.21) have their older releases' equivalent here;
 - torch internals that no public API replaces (the module-hook registries, `scan`), each probed here: where one has
   moved, the feature that needs it is switched off (with a warning) or refuses, never silently wrong.
 
@@ -29,9 +30,9 @@ import torch
 import transformers
 from torch import nn
 
-#: The oldest releases the whole test suite passes on (README, "Supported versions").
-MINIMUM_TRANSFORMERS = "5.23.0"
-MINIMUM_TORCH = "2.6.0"
+#: The oldest releases the whole test suite passes on (README, "Supported versions"); below them, one clear error.
+MINIMUM_TRANSFORMERS = "5.16.0"
+MINIMUM_TORCH = "2.7.0"  # torch.compiler.is_exporting, which the DeltaNet rule asks, is new in 2.7
 
 
 def release(version: str) -> tuple[int, int, int]:
@@ -69,6 +70,19 @@ except ImportError as error:
         f"transformers {transformers.__version__} lacks an internal utility that DeltaGPT's model code uses ({error}). "
         f'Install a release this code is tested with: pip install "transformers>={MINIMUM_TRANSFORMERS}"'
     ) from error
+
+
+def slice_logits_to_keep_before_5_21(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits `generate` asks for: the last `logits_to_keep` (0: all), or those indices; what each
+    model's forward did itself before transformers 5.21 added `slice_logits_to_keep` (GPT2LMHeadModel's, 5.20)."""
+    indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden_states[:, indices, :]
+
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:
+    slice_logits_to_keep = slice_logits_to_keep_before_5_21
 
 
 def _require_override_points() -> None:
@@ -234,9 +248,20 @@ def is_unhooked(module: nn.Module) -> bool:
     )
 
 
+#: torch.export traces DeltaNet's chunk loop over a symbolic sequence length from this torch on (measured: 2.7, 2.8,
+#: 2.10 and 2.12 fail inside torch.export, on guards over the number of chunks or on `scan` itself).
+DELTA_NET_EXPORT_TORCH = "2.13.0"
+
+
 def scan(combine: Callable, init: torch.Tensor, xs: tuple, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's `scan` higher-order op (no public name yet): a loop over a symbolic number of steps, which exporting
-    with a dynamic sequence length needs. Refuses clearly where a release moved it."""
+    DeltaNet needs. Refuses clearly on a torch that cannot export it, or where a release moved the op."""
+    if release(torch.__version__) < release(DELTA_NET_EXPORT_TORCH):
+        raise RuntimeError(
+            f"Exporting a token_mixer='delta_net' model (torch.export, ONNX) needs torch>={DELTA_NET_EXPORT_TORCH}: "
+            f"torch {torch.__version__} cannot trace its chunk loop over the sequence length. Upgrade torch "
+            f"(pip install -U \"torch>={DELTA_NET_EXPORT_TORCH}\"), or export a token_mixer='attention' model."
+        )
     try:
         from torch._higher_order_ops.scan import scan as torch_scan
     except ImportError as error:
@@ -250,6 +275,7 @@ def scan(combine: Callable, init: torch.Tensor, xs: tuple, dim: int) -> tuple[to
 
 __all__ = [
     "CACHE_ARG",
+    "DELTA_NET_EXPORT_TORCH",
     "HOOKS_READABLE",
     "MINIMUM_TORCH",
     "MINIMUM_TRANSFORMERS",
@@ -262,5 +288,6 @@ __all__ = [
     "merge_with_config_defaults",
     "release",
     "scan",
+    "slice_logits_to_keep",
     "takes_cache",
 ]

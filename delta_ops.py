@@ -564,8 +564,9 @@ def delta_rule_chunkwise(
 
     def hand_over(state: torch.Tensor, xs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         q_n, k_n, u_n, scores_n, *rest = xs
-        if erase:
-            u_n = u_n - rest.pop(0) @ state.transpose(-1, -2)
+        if erase:  # unpacked, not rest.pop(0): torch 2.7's dynamo traces the starred rest as a tuple
+            w_n, *rest = rest
+            u_n = u_n - w_n @ state.transpose(-1, -2)
         o_n = q_n @ state.transpose(-1, -2) + scores_n @ u_n
         if rest:  # document starts: keep S_0 only without a start in the chunk; write only the last document
             last_n, keep_n = rest

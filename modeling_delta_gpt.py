@@ -36,6 +36,7 @@ from .delta_compat import (
     capture_outputs,
     is_unhooked,
     merge_with_config_defaults,
+    slice_logits_to_keep,
     takes_cache,
 )
 
@@ -51,7 +52,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
@@ -570,6 +571,12 @@ class DeltaNetCache(DeltaWindowsMixin, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen_tokens if layer_idx < len(self.layers) else 0
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's recurrent state, None before its first token: transformers' accessor (Cache, from 5.21),
+        defined here too so that this cache reads the same on the releases before it."""
+        layer = self.layers[layer_idx]
+        return layer.recurrent_states[state_idx] if layer.has_previous_state[state_idx] else None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.get_seq_length(layer_idx) + query_length, 0

@@ -30,6 +30,7 @@ from .delta_compat import (
     cache_of,
     capture_outputs,
     merge_with_config_defaults,
+    slice_logits_to_keep,
     takes_cache,
 )
 
@@ -40,7 +41,6 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import (
     MistralAttention,

@@ -8,6 +8,9 @@ from setuptools import find_packages, setup
 here = Path(__file__).parent
 # The one version number lives in ddl_hf/__init__.py; read it as text (importing the package needs torch).
 version = re.search(r'^__version__ = "([^"]+)"', (here / "ddl_hf" / "__init__.py").read_text(), re.M).group(1)
+# The supported minimums live in the Hub file that enforces them at import (delta_compat.py); read them the same way.
+compat = (here / "delta_compat.py").read_text()
+minimum = {name: re.search(rf'^MINIMUM_{name} = "([^"]+)"', compat, re.M)[1] for name in ("TORCH", "TRANSFORMERS")}
 
 setup(
     name="ddl-hf",
@@ -22,8 +25,8 @@ setup(
     include_package_data=True,
     package_data={"ddl_hf": ["*.md", "data/*", "csrc/*.cpp"]},  # csrc: the optional native kernel's source
     install_requires=[
-        "torch>=2.4",
-        "transformers>=5.0,<6",
+        f"torch>={minimum['TORCH']}",
+        f"transformers>={minimum['TRANSFORMERS']},<6",
         "accelerate>=1.0",
         "safetensors>=0.4",
         "huggingface_hub>=0.30",

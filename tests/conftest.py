@@ -1,10 +1,44 @@
-"""Shared fixtures only; tiny configs and models come from `builders`."""
+"""Shared fixtures and the compatibility subset; tiny configs and models come from `builders`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from builders import VOCAB
+
+#: The compatibility subset (`pytest -m compat`), which CI also runs on the oldest supported transformers: the cache
+#: under both names and the deprecation early warning, generation with and without the cache (DeltaGPT, the windowed
+#: variants, DeltaNet, DeltaLlama), left padding, a batched pipeline, conversion of GPT-2 and of each Llama family and
+#: export back, save and reload (with the Hub code, without ddl_hf), Trainer steps. Node-id prefixes under tests/.
+COMPAT_SUBSET = (
+    "test_compat.py",
+    "test_deprecations.py",
+    "test_model_behaviour.py::test_greedy_generation_with_cache_equals_without",
+    "test_model_behaviour.py::test_left_padded_batch_equals_each_prompt_alone",
+    "test_model_behaviour.py::test_save_and_auto_load_round_trip_bit_exactly",
+    "test_gpt2_equivalence.py::test_additive_beta_zero_matches_gpt2",
+    "test_variants.py::test_cached_generation_equals_uncached_and_stepwise_forward",
+    "test_variants.py::test_beam_search_reorders_the_windows",
+    "test_variants.py::test_assisted_decoding_crops_the_windows",
+    "test_delta_net_model.py::test_greedy_generate_with_cache_equals_without",
+    "test_delta_net_model.py::test_beam_search_with_cache_equals_without",
+    "test_delta_llama.py::test_cached_generation_equals_uncached",
+    "test_delta_llama.py::test_left_padded_batch_equals_each_prompt_alone",
+    "test_delta_llama.py::test_save_and_load_in_a_fresh_process_without_ddl_hf",
+    "test_delta_llama.py::test_trainer_step_moves_delta_parameters",
+    "test_delta_llama_conversion.py::test_report_says_equivalent_bit_for_bit",
+    "test_delta_llama_conversion.py::test_export_back_equals_the_source_bit_for_bit",
+    "test_conversion.py::test_trained_gpt2_converts_equivalently",
+    "test_conversion_cli.py::test_output_loads_in_a_fresh_process",
+    "test_workflow_generation.py::test_pipeline_batched_left_padded_equals_generate_alone",
+    "test_workflow_trainer.py::test_resume_from_checkpoint_is_bit_identical",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.removeprefix("tests/").startswith(COMPAT_SUBSET):
+            item.add_marker(pytest.mark.compat)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,6 @@ from ddl_hf import delta_compat
 from ddl_hf.delta_compat import CACHE_ARG, cache_of, release
 from ddl_hf.modeling_delta_gpt import DeltaNetCache, DeltaStateCache
 
-pytestmark = pytest.mark.compat
-
 VARIANTS = ["additive-dv1", "paper-dv4", "delta_net-dv1", "tc-ec-paper-dv4", "cc-dv4"]
 
 
@@ -130,6 +128,17 @@ def test_trainer_evaluation_drops_the_cache_from_the_predictions(tmp_path):
     args = TrainingArguments(tmp_path, per_device_eval_batch_size=2, report_to=[], use_cpu=True)
     predictions = Trainer(model=delta_model(), args=args).predict(data).predictions
     assert predictions.shape == (4, 8, VOCAB)
+
+
+def test_the_logits_slice_of_older_releases_equals_transformers_own():
+    """`slice_logits_to_keep_before_5_21` (used where transformers has no `slice_logits_to_keep`) against the
+    installed transformers' own, for what `generate` passes: 0 (all), 1, and indices."""
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    hidden = torch.randn(2, 7, 5)
+    for keep in (0, 1, 3, torch.tensor([0, 4, 6])):
+        ours = delta_compat.slice_logits_to_keep_before_5_21(hidden, keep)
+        assert torch.equal(ours, slice_logits_to_keep(hidden, keep))
 
 
 # ----------------------------------------------------------------------------------------------------------------

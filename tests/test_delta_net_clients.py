@@ -14,7 +14,7 @@ from torch.nn.functional import normalize
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
-from ddl_hf.delta_compat import cache_of
+from ddl_hf.delta_compat import DELTA_NET_EXPORT_TORCH, cache_of, release
 from ddl_hf.delta_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
 from ddl_hf.modeling_delta_gpt import DeltaNetCache
 
@@ -304,15 +304,33 @@ class Logits(torch.nn.Module):
         return self.model(input_ids, use_cache=False).logits
 
 
+def export_with_a_dynamic_length(model: DeltaGPTForCausalLM) -> torch.export.ExportedProgram:
+    seq = torch.export.Dim("seq", min=2, max=96)
+    return torch.export.export(Logits(model), (torch.randint(0, VOCAB, (2, 20)),), dynamic_shapes=({1: seq},))
+
+
+#: Below it, exporting DeltaNet is refused (`test_export_below_the_torch_it_needs_is_refused`); CI runs torch >= it.
+EXPORTABLE = pytest.mark.skipif(
+    release(torch.__version__) < release(DELTA_NET_EXPORT_TORCH),
+    reason=f"exporting DeltaNet needs torch>={DELTA_NET_EXPORT_TORCH} (refused below it, tested)",
+)
+
+
 @pytest.fixture(scope="module")
 def exported():
     """One tiny model (both rules' code paths: erase on, beta in (0, 2)) exported once with a dynamic length."""
     model = tiny_model(seed=6, n_layer=1, delta_net_allow_negative_eigval=True)
-    seq = torch.export.Dim("seq", min=2, max=96)
-    program = torch.export.export(Logits(model), (torch.randint(0, VOCAB, (2, 20)),), dynamic_shapes=({1: seq},))
-    return model, program
+    return model, export_with_a_dynamic_length(model)
 
 
+def test_export_below_the_torch_it_needs_is_refused(monkeypatch):
+    """torch 2.7 to 2.12 fail inside torch.export on DeltaNet's chunk loop: refused first, naming the torch needed."""
+    monkeypatch.setattr(torch, "__version__", "2.12.0")
+    with pytest.raises(RuntimeError, match=rf"needs torch>={DELTA_NET_EXPORT_TORCH}: torch 2.12.0 cannot trace"):
+        export_with_a_dynamic_length(tiny_model(n_layer=1))
+
+
+@EXPORTABLE
 def test_torch_export_with_a_dynamic_sequence_length_matches_eager(exported):
     model, program = exported
     for seq_len in (5, 37):  # less than a chunk; several chunks with padding; neither is the traced length
@@ -321,6 +339,7 @@ def test_torch_export_with_a_dynamic_sequence_length_matches_eager(exported):
             assert (program.module()(ids) - model(ids).logits).abs().max() <= 1e-5
 
 
+@EXPORTABLE
 def test_onnx_export_runs_in_onnxruntime_and_matches_eager(exported, tmp_path):
     for package in ("onnx", "onnxscript", "onnxruntime"):
         pytest.importorskip(package)
