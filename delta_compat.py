@@ -248,34 +248,33 @@ def is_unhooked(module: nn.Module) -> bool:
     )
 
 
-#: torch.export traces DeltaNet's chunk loop over a symbolic sequence length from this torch on (measured: 2.7, 2.8,
-#: 2.10 and 2.12 fail inside torch.export, on guards over the number of chunks or on `scan` itself).
-DELTA_NET_EXPORT_TORCH = "2.13.0"
+#: torch.export traces DeltaNet's chunk loop over a symbolic sequence length (`scan`) from this torch on (measured:
+#: 2.7, 2.8, 2.10 and 2.12 fail inside torch.export, on guards over the number of chunks or on `scan` itself).
+DELTA_NET_DYNAMIC_EXPORT_TORCH = "2.13.0"
+#: Whether this torch exports DeltaNet with a dynamic length. Where not, an export traces the eager chunk loop: a
+#: program for the traced length, and torch.export's own error if a dynamic length is asked for (decided here, at
+#: import: a version parse cannot run while torch.export traces).
+DELTA_NET_DYNAMIC_EXPORT = release(torch.__version__) >= release(DELTA_NET_DYNAMIC_EXPORT_TORCH)
 
 
 def scan(combine: Callable, init: torch.Tensor, xs: tuple, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's `scan` higher-order op (no public name yet): a loop over a symbolic number of steps, which exporting
-    DeltaNet needs. Refuses clearly on a torch that cannot export it, or where a release moved the op."""
-    if release(torch.__version__) < release(DELTA_NET_EXPORT_TORCH):
-        raise RuntimeError(
-            f"Exporting a token_mixer='delta_net' model (torch.export, ONNX) needs torch>={DELTA_NET_EXPORT_TORCH}: "
-            f"torch {torch.__version__} cannot trace its chunk loop over the sequence length. Upgrade torch "
-            f"(pip install -U \"torch>={DELTA_NET_EXPORT_TORCH}\"), or export a token_mixer='attention' model."
-        )
+    DeltaNet with a dynamic length needs. Refuses clearly where a release moved the op."""
     try:
         from torch._higher_order_ops.scan import scan as torch_scan
     except ImportError as error:
         raise RuntimeError(
             f"Exporting a DeltaNet model with a dynamic sequence length needs torch's scan operator, which torch "
             f"{torch.__version__} no longer has at torch._higher_order_ops.scan ({error}). Export with a static "
-            "length, or use a torch release this code is tested with."
+            "length, or use a torch release this code is tested with (README, Supported versions)."
         ) from error
     return torch_scan(combine, init, xs, dim=dim)
 
 
 __all__ = [
     "CACHE_ARG",
-    "DELTA_NET_EXPORT_TORCH",
+    "DELTA_NET_DYNAMIC_EXPORT",
+    "DELTA_NET_DYNAMIC_EXPORT_TORCH",
     "HOOKS_READABLE",
     "MINIMUM_TORCH",
     "MINIMUM_TRANSFORMERS",

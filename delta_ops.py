@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from .delta_compat import scan
+from .delta_compat import DELTA_NET_DYNAMIC_EXPORT, scan
 
 # ----------------------------------------------------------------------------------------------------------------
 # The Delta math: the one place where the update rule lives.
@@ -514,9 +514,10 @@ def delta_rule_chunkwise(
     first start (`U' = U - (W * first) S_0^T`, `O = (Q * first) S_0^T + ...`), and the state handed on is that of
     the chunk's last document: `S_C = [no start in chunk] S_0 + (U' * last)^T K`.
 
-    Exportable (`torch.export` with a dynamic T, `torch.onnx.export(dynamo=True)`): no shape-dependent branch but
-    the static ones; under export the chunk hand-over is a `scan` (the eager Python loop is faster, and its
-    backward much faster) and T is padded with one more chunk so the number of chunks is always >= 2.
+    Exportable (`torch.export` with a dynamic T, `torch.onnx.export(dynamo=True)`; torch >= 2.13): no
+    shape-dependent branch but the static ones; under export the chunk hand-over is a `scan` (the eager Python loop
+    is faster, and its backward much faster) and T is padded with one more chunk so the number of chunks is always
+    >= 2. On an older torch an export traces the eager loop: a program for the traced length only.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -525,7 +526,9 @@ def delta_rule_chunkwise(
     d_v = v.shape[-1]
     q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
     state = q.new_zeros(batch, heads, d_v, d_k) if initial_state is None else initial_state.to(dtype)
-    exporting = torch.compiler.is_exporting()
+    # The export path (a `scan` over a symbolic number of chunks) where this torch can export it; elsewhere an export
+    # traces the eager loop for the traced length (delta_compat.DELTA_NET_DYNAMIC_EXPORT).
+    exporting = DELTA_NET_DYNAMIC_EXPORT and torch.compiler.is_exporting()
     if seq_len == 0 and not exporting:
         return v.new_zeros(batch, heads, 0, d_v).to(out_dtype), state
 

@@ -130,15 +130,17 @@ def test_trainer_evaluation_drops_the_cache_from_the_predictions(tmp_path):
     assert predictions.shape == (4, 8, VOCAB)
 
 
-def test_the_logits_slice_of_older_releases_equals_transformers_own():
-    """`slice_logits_to_keep_before_5_21` (used where transformers has no `slice_logits_to_keep`) against the
-    installed transformers' own, for what `generate` passes: 0 (all), 1, and indices."""
-    from transformers.modeling_utils import slice_logits_to_keep
-
-    hidden = torch.randn(2, 7, 5)
-    for keep in (0, 1, 3, torch.tensor([0, 4, 6])):
-        ours = delta_compat.slice_logits_to_keep_before_5_21(hidden, keep)
-        assert torch.equal(ours, slice_logits_to_keep(hidden, keep))
+def test_the_logits_slice_equals_what_gpt2_computes():
+    """`slice_logits_to_keep` (transformers' own from 5.21, `slice_logits_to_keep_before_5_21` before) against the
+    installed GPT2LMHeadModel's `logits_to_keep`, for what `generate` passes: 0 (all), 1, and indices."""
+    gpt2 = gpt2_model()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = gpt2.transformer(ids).last_hidden_state
+        for keep in (0, 1, 3, torch.tensor([0, 4, 6])):
+            expected = gpt2(ids, logits_to_keep=keep).logits
+            for slice_fn in (delta_compat.slice_logits_to_keep, delta_compat.slice_logits_to_keep_before_5_21):
+                torch.testing.assert_close(gpt2.lm_head(slice_fn(hidden, keep)), expected, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
