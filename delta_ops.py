@@ -87,14 +87,14 @@ def constant(value: float, like: torch.Tensor) -> torch.Tensor:
     `x + 1.0` wraps the Python float into a fresh tensor on every call: on a decode-sized tensor that costs as much
     as the op itself (~2 µs on CPU). A 0-dim operand of the same dtype gives the same bits (TensorIterator casts a
     Python float to the op's dtype too). Made outside inference mode, so that autograd may use it later; never
-    written to. While torch.compile / export traces a function that has not run eagerly, a fresh tensor (a graph
-    constant).
+    written to. While torch.compile / export traces, a fresh tensor (a graph constant): a strict export refuses a
+    tensor held in a global.
     """
+    if torch.compiler.is_compiling():
+        return torch.full((), value, dtype=like.dtype, device=like.device)
     key = (value, like.dtype, like.device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
-        if torch.compiler.is_compiling():
-            return torch.full((), value, dtype=like.dtype, device=like.device)
         with torch.inference_mode(False):
             tensor = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
     return tensor
