@@ -329,7 +329,7 @@ class DeltaResidual(nn.Module):
         which load its weights around its forward (accelerate offload) fire for the read too."""
         if self.read_conv is None and self.value_channels == 1:
             return state
-        return call_unhooked(self, state, read_from=(context, key))[0]
+        return self(state, read_from=(context, key))[0]
 
     def _read(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
         read_weights = self._parameters.get("read_weights")  # from the dicts, as in `_update`
@@ -472,13 +472,6 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
-
-
-def call_unhooked(module: nn.Module, *args: object, **kwargs: object) -> object:
-    """`module(*args, **kwargs)`, skipping nn.Module's call machinery where `is_unhooked` shows that it would add
-    nothing: it costs about as much as a Delta residual's whole one-token update or read (~1.5 µs, more when the
-    matmuls have flushed the caches), up to four times per layer and token when decoding."""
-    return module.forward(*args, **kwargs) if is_unhooked(module) else module(*args, **kwargs)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
@@ -813,10 +806,10 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
             **cache_argument(cache),
             **kwargs,
         )
-        hidden_states, attn_beta = call_unhooked(attn_delta, hidden_states, normed, attn_output)
+        hidden_states, attn_beta = attn_delta(hidden_states, normed, attn_output)
 
         normed = self.ln_2(mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
-        hidden_states, mlp_beta = call_unhooked(mlp_delta, hidden_states, normed, self.mlp(normed))
+        hidden_states, mlp_beta = mlp_delta(hidden_states, normed, self.mlp(normed))
         return hidden_states, attn_beta, mlp_beta
 
 

@@ -65,7 +65,6 @@ from .modeling_delta_gpt import (
     _hidden_states_contract,
     _signature_computed_once,
     _with_delta_outputs,
-    call_unhooked,
     check_token_ids,
     packed_document_starts,
 )
@@ -182,10 +181,10 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
             **cache_argument(cache),
             **kwargs,
         )
-        hidden_states, attn_beta = call_unhooked(self.attn_delta, hidden_states, normed, attn_output)
+        hidden_states, attn_beta = self.attn_delta(hidden_states, normed, attn_output)
 
         normed = self.post_attention_layernorm(self.mlp_delta.read(hidden_states, delta_context, f"{key}.mlp"))
-        hidden_states, mlp_beta = call_unhooked(self.mlp_delta, hidden_states, normed, self.mlp(normed))
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, normed, self.mlp(normed))
         return hidden_states, attn_beta, mlp_beta
 
 

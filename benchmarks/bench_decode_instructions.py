@@ -53,11 +53,12 @@ ATTRIBUTION = [
 ]
 
 
-# Fast-path rows (`--attribution`): the default d_v = 1 additive model (Python path) with the fast paths that need
-# torch's hook registries (delta_compat.is_unhooked) switched off, as they are where delta_compat cannot read them:
-# first the residuals' calls go through nn.Module's call machinery (`call_unhooked` skips it), then the gate and value
-# projections too (which also turns the one-token host path off). Their outputs are right.
-FAST_PATH_ROWS = ["d_v=1 additive, module calls", "d_v=1 additive, no fast paths"]
+# Fast-path row (`--attribution`): the default d_v = 1 additive model (Python path) with the fast path that needs
+# torch's hook registries (delta_compat.is_unhooked) switched off, as it is where delta_compat cannot read them: the
+# gate and value projections called through nn.Module, so no one-token host path. Its outputs are right.
+# (`benchmarks/results/decode_instructions_fast_paths.md` also has a row that only put the residuals' own calls back
+# on nn.Module's call machinery: +0.7% of GPT-2's instructions per token, which is why that shortcut was removed.)
+FAST_PATH_ROWS = ["d_v=1 additive, no fast paths"]
 
 
 def model_names(attribution: bool = False) -> list[str]:
@@ -70,15 +71,13 @@ def model_names(attribution: bool = False) -> list[str]:
     return ["gpt2", *DELTA_MODELS, *native, *extra]
 
 
-def without_fast_paths(model, name: str):
-    """A fast-path row's model: an instance `forward` on each residual (and, for the second row, on its gate and
-    value projections) makes `is_unhooked` answer no, so those calls take nn.Module's call machinery, exactly as
+def without_fast_paths(model):
+    """The fast-path row's model: an instance `forward` on each residual's gate and value projections makes
+    `is_unhooked` answer no, so they are called through nn.Module and the one-token host path is off, exactly as
     where delta_compat's hook probe failed."""
     for residual in model.delta_residuals().values():
-        residual.forward = residual.forward
-        if name == FAST_PATH_ROWS[1]:
-            for linear in (residual.beta_proj, residual.v_proj):
-                linear.forward = linear.forward
+        for linear in (residual.beta_proj, residual.v_proj):
+            linear.forward = linear.forward
     return model
 
 
@@ -96,7 +95,7 @@ def attribution_model(shape: dict, name: str):
     def add_only(self, state, normed_input=None, branch_output=None, read_from=None):
         return state + branch_output, None
 
-    # A subclass, not an instance `forward`: the block calls it as it calls the real one (no nn.Module call).
+    # A subclass, not an instance `forward`: the block calls it through nn.Module as it calls the real one.
     for block in model.transformer.h:
         for residual in (block.attn_delta, block.mlp_delta):
             residual.__class__ = type("AddOnlyResidual", (type(residual),), {"forward": add_only})
@@ -118,7 +117,7 @@ def build_model(shape: dict, name: str):
     if name in ATTRIBUTION:
         return attribution_model(shape, name)
     if name in FAST_PATH_ROWS:
-        return without_fast_paths(build_pair(shape, 1, "additive")[1].eval(), name)
+        return without_fast_paths(build_pair(shape, 1, "additive")[1].eval())
     d_v, mode, *native = name.removeprefix("d_v=").split()
     model = build_pair(shape, int(d_v), mode)[1].eval()
     if native:
@@ -324,8 +323,8 @@ def attribution_lines(rows: list[dict]) -> list[str]:
         base, gpt2 = per_token["d_v=1 additive"], per_token["gpt2"]
         lines += [
             "",
-            f"What the fast paths that read torch's hook registries save ({shape}, d_v=1 additive, Python path): the "
-            "rows with them off, as where `delta_compat` cannot read the registries:",
+            f"What the fast path that reads torch's hook registries saves ({shape}, d_v=1 additive, Python path): the "
+            "row with it off, as where `delta_compat` cannot read the registries:",
             "",
             "| row | instructions per token | over the default | ratio to GPT-2 |",
             "|---|---|---|---|",

@@ -66,10 +66,10 @@ def test_self_costs_of_a_real_dump_sum_to_its_total(tmp_path):
     assert any(name.startswith(("libpython", "python")) for name in by_object)  # the interpreter is one of them
 
 
-def test_fast_path_rows_switch_off_what_the_hook_registries_allow_and_keep_the_tokens(monkeypatch):
-    """The rows that price the hook-registry fast paths: the same tokens as the default model, with the residuals
-    (and, in the second row, their projections) called through nn.Module, as where delta_compat cannot read torch's
-    hooks. Counted: one residual update per block and token, through the host path only in the first row."""
+def test_the_fast_path_row_switches_off_what_the_hook_registries_allow_and_keeps_the_tokens(monkeypatch):
+    """The row that prices the hook-registry fast path: the same tokens as the default model, with the gate and value
+    projections called through nn.Module, as where delta_compat cannot read torch's hooks, so no update takes the
+    one-token host path (the default model: one per block and decoding step)."""
     import torch
     from bench_overhead import SHAPES
 
@@ -87,14 +87,13 @@ def test_fast_path_rows_switch_off_what_the_hook_registries_allow_and_keep_the_t
     shape = SHAPES["tiny"]
     prompt = torch.randint(1, shape["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
     greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        expected = bench_decode_instructions.build_model(shape, "d_v=1 additive").generate(prompt, **greedy)
-    for name, host_path in zip(bench_decode_instructions.FAST_PATH_ROWS, (True, False)):
+    tokens = {}
+    rows = [("d_v=1 additive", True), *((row, False) for row in bench_decode_instructions.FAST_PATH_ROWS)]
+    for name, host_path in rows:
         model = bench_decode_instructions.build_model(shape, name)
-        residual = model.transformer.h[0].attn_delta
-        assert not is_unhooked(residual) and is_unhooked(residual.beta_proj) is host_path
+        assert is_unhooked(model.transformer.h[0].attn_delta.beta_proj) is host_path
         calls.clear()
         with torch.inference_mode():
-            tokens = model.generate(prompt, **greedy)
-        assert torch.equal(tokens, expected), name
+            tokens[name] = model.generate(prompt, **greedy)
         assert len(calls) == (2 * 2 * shape["n_layer"] if host_path else 0), name  # 2 decoding steps
+    assert all(torch.equal(t, tokens["d_v=1 additive"]) for t in tokens.values())

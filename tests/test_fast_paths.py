@@ -27,7 +27,7 @@ from ddl_hf.delta_ops import (
     sigmoid,
     unit_direction,
 )
-from ddl_hf.modeling_delta_gpt import DeltaGPTBlock, DeltaResidual, _linear, call_unhooked
+from ddl_hf.modeling_delta_gpt import DeltaGPTBlock, DeltaResidual, _linear
 
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
 
@@ -316,33 +316,6 @@ def test_linear_shortcut_only_where_the_call_would_be_f_linear():
         handle.remove()
     doubled = Doubled(8, 2)
     assert torch.equal(_linear(doubled, x), doubled(x))
-
-
-def test_residual_call_skips_the_module_machinery_only_where_it_would_do_nothing():
-    """`call_unhooked(residual, ...)` is `residual(...)`: a forward hook, a pre-hook, a patched forward (accelerate's
-    offload) and a global hook all still run."""
-    module = residual(1, "additive")
-    state, normed, h = inputs(1)
-    with torch.no_grad():
-        plain_state, plain_beta = module(state, normed, h)
-        unhooked_state, unhooked_beta = call_unhooked(module, state, normed, h)
-        assert torch.equal(unhooked_state, plain_state) and torch.equal(unhooked_beta, plain_beta)
-        handle = module.register_forward_hook(lambda m, a, out: (out[0] + 1, out[1]))
-        assert torch.equal(call_unhooked(module, state, normed, h)[0], plain_state + 1)
-        handle.remove()
-        handle = module.register_forward_pre_hook(lambda m, a: (a[0] * 0, *a[1:]))
-        assert torch.equal(call_unhooked(module, state, normed, h)[0], module(state * 0, normed, h)[0])
-        handle.remove()
-        original = module.forward
-        module.forward = lambda *a: (original(*a)[0] * 3, None)
-        assert torch.equal(call_unhooked(module, state, normed, h)[0], 3 * plain_state)
-        del module.forward
-        global_hook = torch.nn.modules.module.register_module_forward_hook
-        handle = global_hook(lambda m, a, out: (out[0] - 1, out[1]) if m is module else out)
-        try:
-            assert torch.equal(call_unhooked(module, state, normed, h)[0], plain_state - 1)
-        finally:
-            handle.remove()
 
 
 def test_a_hooked_gate_projection_changes_the_residual():
