@@ -163,6 +163,54 @@ def takes_cache(forward: Callable) -> Callable:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Loading: which weights a checkpoint supplied, and checkpoints of an earlier release.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def was_loaded(tensor: torch.Tensor) -> bool:
+    """Whether transformers' loader set this parameter from a checkpoint: its `_is_hf_initialized` mark, the one that
+    transformers' own `initialization` functions read to leave loaded weights alone."""
+    return bool(getattr(tensor, "_is_hf_initialized", False))
+
+
+try:  # transformers' checkpoint conversions (what its own models use for checkpoints in older layouts)
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+except ImportError:  # moved: old-layout checkpoints then fail with transformers' own size-mismatch error, and so
+    register_checkpoint_conversion_mapping = None  # does tests/test_fsdp.py's legacy-checkpoint test, in CI
+    ConversionOps = object
+
+
+class _ToParameterShape(ConversionOps):
+    """A checkpoint tensor with its parameter's number of elements in another shape (the 0-dim `beta_open` of ddl-hf
+    0.1, today `[1]`), reshaped to the parameter's. Anything else passes unchanged, for transformers to report.
+    Saving runs the same op, which leaves a tensor of the parameter's own shape as it is."""
+
+    def convert(self, input_dict: dict, source_patterns: list[str], target_patterns: list[str], **kwargs) -> dict:
+        (tensor,) = input_dict.values()
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        try:
+            shape = kwargs["model"].get_parameter(kwargs["full_layer_name"]).shape
+        except (AttributeError, KeyError, TypeError):
+            shape = tensor.shape
+        if tensor.shape != shape and tensor.numel() == shape.numel():
+            tensor = tensor.reshape(shape)
+        return {target_patterns[0]: tensor}
+
+    @property
+    def reverse_op(self) -> _ToParameterShape:
+        return self
+
+
+def load_legacy_shapes(model_type: str, *parameter_names: str) -> None:
+    """Let `from_pretrained` load checkpoints in which these parameters had another shape with the same elements,
+    through transformers' checkpoint-conversion registry (custom-code models are only converted when registered)."""
+    if register_checkpoint_conversion_mapping is not None:
+        converters = [WeightConverter(name, name, [_ToParameterShape()]) for name in parameter_names]
+        register_checkpoint_conversion_mapping(model_type, converters, overwrite=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # torch internals with no public replacement, probed once at import.
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -284,9 +332,11 @@ __all__ = [
     "capture_outputs",
     "check_installed_versions",
     "is_unhooked",
+    "load_legacy_shapes",
     "merge_with_config_defaults",
     "release",
     "scan",
     "slice_logits_to_keep",
     "takes_cache",
+    "was_loaded",
 ]

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
 from .delta_compat import (
@@ -35,9 +36,11 @@ from .delta_compat import (
     cache_of,
     capture_outputs,
     is_unhooked,
+    load_legacy_shapes,
     merge_with_config_defaults,
     slice_logits_to_keep,
     takes_cache,
+    was_loaded,
 )
 
 # isort: split
@@ -281,12 +284,24 @@ class DeltaResidual(nn.Module):
                 nn.Tanh(),
                 nn.Linear(config.delta_gate_hidden_size, 1),
             )
-        self.beta_open = nn.Parameter(torch.empty(()))
+        # [1], not a 0-dim scalar: FSDP2's fully_shard shards along dim 0 and refuses 0-dim parameters. Checkpoints
+        # of ddl-hf 0.1 hold it 0-dim: `_load_from_state_dict` and delta_compat's loading conversion reshape them.
+        self.beta_open = nn.Parameter(torch.empty(1))
         if config.delta_value == "linear":
             self.v_proj = nn.Linear(hidden_size, value_channels)
         else:  # the reference code's constant value: v = c 1, no parameters
             self.v_proj = None
             self.value_constant = float(config.delta_value_constant)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        """`load_state_dict` (Trainer resume, peft adapters, DCP) of a checkpoint with the 0-dim `beta_open` of
+        ddl-hf 0.1: the same number as `[1]`, and so is an optimizer state saved with it (`_reshape_0_dim_state`)."""
+        key = f"{prefix}beta_open"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+            self.beta_open._ddl_hf_0_dim_state = True
+            _reshape_0_dim_state.arm()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def gate_output(self) -> nn.Linear:
@@ -464,6 +479,33 @@ class DeltaResidual(nn.Module):
             self.additive,
             self.erase,
         )
+
+
+class _Reshape0DimState:
+    """An optimizer state saved with a 0-dim `beta_open` (a ddl-hf 0.1 Trainer checkpoint: AdamW's `exp_avg` and
+    `exp_avg_sq`) reshaped to the parameter's `[1]` before the first step after such a checkpoint was loaded (the
+    fused AdamW would not mind, the other optimizers broadcast into it and fail). One global step pre-hook, armed by
+    the load and gone after its first step: every later state of the parameter is `[1]` already."""
+
+    handle = None
+
+    def arm(self) -> None:
+        if self.handle is None:
+            self.handle = register_optimizer_step_pre_hook(self)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.handle.remove()
+        self.handle = None
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if getattr(param, "_ddl_hf_0_dim_state", False):
+                    state = optimizer.state.get(param, {})
+                    for key, value in state.items():  # `step` is 0-dim by design
+                        if key != "step" and torch.is_tensor(value) and value.dim() == 0:
+                            state[key] = value.reshape(param.shape)
+
+
+_reshape_0_dim_state = _Reshape0DimState()
 
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
@@ -956,8 +998,12 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
 
     def _initialize_missing_keys(self, is_quantized: bool) -> None:
         """Loading a checkpoint: Delta parameters it lacks (a GPT-2 checkpoint: conversion) get the exact init
-        unless the config asks otherwise, so `delta_init=None` never changes a converted model's function."""
-        resolve_delta_init(self.config, loading=True)
+        unless the config asks otherwise, so `delta_init=None` never changes a converted model's function. A load
+        that supplied no weight at all (`from_pretrained(None, config=..., state_dict={})`, as sharded loading and
+        transformers' own init tests do) builds the model from its config, as `DeltaGPTForCausalLM(config)` does."""
+        tied = set(self._tied_weights_keys or ())  # marked as loaded even when the checkpoint lacks both ends
+        supplied = any(was_loaded(p) for name, p in self.named_parameters() if name not in tied)
+        resolve_delta_init(self.config, loading=supplied)
         super()._initialize_missing_keys(is_quantized)
 
     def initialize_weights(self) -> None:
@@ -1007,6 +1053,10 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
             init.copy_(module.weight, module.identity())  # the reference code starts EC as the repeat, too
         if isinstance(module, DeltaGPTModel) and module.config.delta_value_channels > 1:
             init.constant_(module.read_out, 1.0 / module.config.delta_value_channels)
+
+
+# Checkpoints of ddl-hf 0.1 hold `beta_open` 0-dim (today `[1]`): `from_pretrained` reshapes them on load.
+load_legacy_shapes(DeltaGPTConfig.model_type, "beta_open")
 
 
 def resolve_delta_init(config: DeltaGPTConfig, loading: bool) -> None:

@@ -29,6 +29,7 @@ from .delta_compat import (
     cache_argument,
     cache_of,
     capture_outputs,
+    load_legacy_shapes,
     merge_with_config_defaults,
     slice_logits_to_keep,
     takes_cache,
@@ -229,6 +230,10 @@ class DeltaLlamaPreTrainedModel(DeltaGPTPreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, DeltaLlamaModel) and module.value_channels > 1:
             init.constant_(module.read_out, 1.0 / module.value_channels)
+
+
+# Checkpoints of ddl-hf 0.1 hold `beta_open` 0-dim (today `[1]`): `from_pretrained` reshapes them on load.
+load_legacy_shapes(DeltaLlamaConfig.model_type, "beta_open")
 
 
 class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):

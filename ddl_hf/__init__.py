@@ -44,7 +44,7 @@ from .modeling_delta_gpt import (
 from .modeling_delta_llama import DeltaLlamaForCausalLM, DeltaLlamaModel, DeltaLlamaPreTrainedModel
 from .peft_targets import register_peft_targets
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Training helpers import Trainer and datasets (seconds): loaded on first use, not with the model.
 _LAZY_EXPORTS = {"DeltaStatsCallback": "callbacks", "DeltaTrainer": "training"}
