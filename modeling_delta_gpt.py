@@ -404,11 +404,13 @@ class DeltaResidual(nn.Module):
             value = beta.new_full((*beta.shape[:-1], self.value_channels), self.value_constant)
         if self.fused:
             new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
-            return new_state, beta.squeeze(-1)
-        beta = beta.squeeze(-1)
-        k = unit_direction(branch_output, self.eps)
-        branch = branch_output if self.additive else None
-        return delta_update(state, k, beta, value, branch, self.erase), beta
+        else:
+            k = unit_direction(branch_output, self.eps)
+            branch = branch_output if self.additive else None
+            new_state = delta_update(state, k, beta.squeeze(-1), value, branch, self.erase)
+        # The returned beta `[...]` is a tensor of its own, not a view of `[..., 1]` (a sum over one element: exact):
+        # FSDP2 warns about views among a sharded block's outputs, as an in-place op on one would skip its all-gather.
+        return new_state, beta.sum(-1)
 
     def _takes_one_token_path(self) -> bool:
         """The half of the one-token check that does not depend on the inputs: outside compile / export / jit
