@@ -6,6 +6,7 @@ group. docs/workflows.md, "Scaling out", has the commands; tests/test_fsdp.py ru
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -53,4 +54,32 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["block_classes", "fully_shard_model", "gather_full_state_dict"]
+def check_launch(accelerator: Any, fsdp_requested: bool = False) -> None:
+    """Refuse a launch that accelerate would silently run as something else.
+
+    accelerate sets up FSDP only on GPUs (and similar accelerators). On a CPU-only machine (accelerate 1.15), a
+    process started by `accelerate launch` with an FSDP config gets `DistributedType.NO`, so every process trains its
+    own unsynchronised copy; with `TrainingArguments(use_cpu=True, fsdp=True)` it gets DDP instead of FSDP. Neither
+    says a word. `DeltaTrainer` calls this at construction; call it after building your own `Accelerator`.
+    """
+    from accelerate.utils import DistributedType
+
+    fsdp_requested = fsdp_requested or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    chose = accelerator.distributed_type
+    if launched > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"{launched} processes were launched, but accelerate set up {chose.value} in each (no device it can "
+            "shard or synchronise over; on a CPU-only machine an FSDP config is dropped): every process would train "
+            "its own copy. On CPU use `ddl_hf.distributed.fully_shard_model` under torchrun, or plain DDP "
+            "(`accelerate launch --cpu`); docs/workflows.md, 'Scaling out'."
+        )
+    if fsdp_requested and chose != DistributedType.FSDP:
+        raise RuntimeError(
+            f"FSDP was requested, but accelerate set up {chose.value} (accelerate runs FSDP only on GPUs and similar "
+            "devices). On CPU use `ddl_hf.distributed.fully_shard_model` under torchrun; docs/workflows.md, "
+            "'Scaling out'."
+        )
+
+
+__all__ = ["block_classes", "check_launch", "fully_shard_model", "gather_full_state_dict"]

@@ -39,6 +39,7 @@ from transformers.utils import logging
 
 from .callbacks import DeltaStatsCallback, use_compact_console
 from .corpus import gpt2_tokenizer, load_text, tokenize_and_chunk
+from .distributed import check_launch
 from .unwrap import find_delta_model
 
 logger = logging.get_logger(__name__)
@@ -82,6 +83,7 @@ class DeltaTrainer(Trainer):
 
     def __init__(self, *args: Any, delta_lr_scale: float = 1.0, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        check_launch(self.accelerator, fsdp_requested=bool(self.args.fsdp))
         self.delta_lr_scale = float(delta_lr_scale)
         use_compact_console(self.callback_handler.callbacks)
 

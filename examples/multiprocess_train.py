@@ -1,10 +1,14 @@
-"""Multi-process (DDP) fine-tuning of DeltaGPT with Trainer on CPUs, gloo backend.
+"""Multi-process fine-tuning of DeltaGPT with Trainer: DDP on CPUs (gloo), DDP or FSDP2 on GPUs.
 
     torchrun --standalone --nproc_per_node 2 examples/multiprocess_train.py --output-dir outputs/ddp
     accelerate launch --cpu --num_processes 2 examples/multiprocess_train.py --output-dir outputs/ddp
+    # GPUs, FSDP2 (every DeltaGPTBlock one shard group, bf16):
+    accelerate launch --config_file examples/fsdp2/deltagpt.yaml examples/multiprocess_train.py --base gpt2
+    torchrun --nproc_per_node 8 examples/multiprocess_train.py --base gpt2 --fsdp
 
-Each process writes `rank{N}.json` with a SHA-256 of its final parameters: DDP keeps the replicas identical, so
-all ranks must report the same digest. On GPUs drop `--ddp-backend gloo` (NCCL is the default there).
+Each process writes `rank{N}.json` with a SHA-256 of its final parameters (DDP keeps the replicas identical, so all
+ranks report the same digest; under FSDP each rank digests its shards). accelerate runs FSDP only on GPUs: on a
+CPU-only machine `DeltaTrainer` refuses an FSDP launch instead of silently training unsynchronised copies.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers import default_data_collator, set_seed
 import ddl_hf
 from ddl_hf.callbacks import DeltaStatsCallback
 from ddl_hf.corpus import lm_datasets
+from ddl_hf.distributed import block_classes, gather_full_state_dict
 from ddl_hf.training import DeltaTrainer, add_base_arguments, base_gpt2, training_arguments
 
 
@@ -41,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2, help="per process")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--ddp-backend", default="gloo")
+    parser.add_argument("--ddp-backend", default=None, help="default: gloo on CPU, accelerate's choice on GPUs")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 through TrainingArguments (needs GPUs)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -55,14 +61,22 @@ def main(argv: list[str] | None = None) -> None:
     block_size = min(args.block_size, model.config.n_positions)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = lm_datasets(tokenizer, block_size, max_train_blocks=args.steps * args.batch_size * world, max_eval_blocks=4)
+    sharding = {}
+    if args.fsdp:
+        wrap = sorted(cls.__name__ for cls in block_classes(model))
+        sharding = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": wrap})
+    gpus = torch.cuda.is_available()
     training_args = training_arguments(
         out / "trainer",
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr,
         logging_steps=max(1, args.steps // 4),
-        ddp_backend=args.ddp_backend,
+        ddp_backend=args.ddp_backend or (None if gpus else "gloo"),
+        use_cpu=not gpus,
+        bf16=gpus,
         seed=args.seed,
+        **sharding,
     )
     trainer = DeltaTrainer(
         model=model,
@@ -87,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=2))
     print(f"rank {rank}/{training_args.world_size}: params sha256 {report['final_digest'][:16]}...")
-    trainer.save_model(str(out / "final"))  # written by the main process only
+    if trainer.is_fsdp_enabled:  # gathered on every rank, written by the main process
+        full = gather_full_state_dict(trainer.model)
+        if trainer.is_world_process_zero():
+            trainer.model.save_pretrained(out / "final", state_dict=full)
+    else:
+        trainer.save_model(str(out / "final"))  # written by the main process only
 
 
 if __name__ == "__main__":

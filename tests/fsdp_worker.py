@@ -3,6 +3,11 @@
 across the ranks. Rank 0 writes what the test compares with an unsharded run: the loss of every step (the mean over
 the global batch), and, on request, the gathered full model (`--save-full`) or a `torch.distributed.checkpoint`
 of model and optimizer (`--dcp-save`), or a run resumed from one (`--dcp-resume`).
+
+`--engine accelerate` (started by `accelerate launch --config_file examples/fsdp2/<model>.yaml`) shards with
+accelerate's own FSDP2 preparation, configured from the launcher's environment, i.e. from the shipped config.
+accelerate sets up FSDP only where there are GPUs (on CPU it sets up DDP, `MULTI_CPU`, without a word), so the worker
+records what accelerate chose and then hands it the FSDP plugin that it would have built on GPUs.
 """
 
 from __future__ import annotations
@@ -85,29 +90,49 @@ def train(model, optimizer, data: torch.Tensor, first: int, last: int, rank: int
     return losses
 
 
+def fsdp_accelerator(report: dict):
+    """An `Accelerator` (which starts the process group) set up for FSDP2 with the plugin read from the launcher's
+    environment."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True)  # MULTI_CPU: ranks and process group as under a GPU launch
+    report["accelerate_chose"] = accelerator.distributed_type.value
+    report["accelerate_env"] = {k: v for k, v in os.environ.items() if k.startswith("FSDP_")}
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    return accelerator
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--activation-checkpointing", action="store_true", help="also a run of each with it on")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--engine", choices=["ddl_hf", "accelerate"], default="ddl_hf")
     parser.add_argument("--save-full", action="store_true", help="gather each model and save_pretrained it")
     parser.add_argument("--dcp-save", type=int, metavar="STEP", help="stop after STEP steps with a DCP checkpoint")
     parser.add_argument("--dcp-resume", type=int, metavar="STEP", help="resume the DCP checkpoint of STEP steps")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    report = {"node_rank": int(os.environ.get("GROUP_RANK", 0)), "losses": {}}
+    accelerator = fsdp_accelerator(report) if args.engine == "accelerate" else dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    report["world_size"] = world
     data = batches(args.steps)
-    report = {"world_size": world, "node_rank": int(os.environ.get("GROUP_RANK", 0)), "losses": {}}
     for variant in args.variants:
         for checkpointing in (False, True) if args.activation_checkpointing else (False,):
             model = build(variant)
             if checkpointing:
                 enable_activation_checkpointing(model, use_reentrant=False)
-            fully_shard_model(model)
-            optimizer = make_optimizer(model)
+            if args.engine == "accelerate":
+                # accelerate's FSDP2 preparation: auto-wrap policy, embedding and head groups, cpu-RAM-efficient
+                # loading; it swaps the optimizer's parameters for the sharded ones
+                model, optimizer = accelerator.prepare(model, make_optimizer(model))
+            else:
+                optimizer = make_optimizer(fully_shard_model(model))
             first, last = 0, args.steps
             checkpoint = args.out / "dcp" / variant
             if args.dcp_resume is not None:
@@ -124,10 +149,8 @@ def main() -> None:
             report["losses"][key] = losses
             if args.save_full:
                 full = gather_full_state_dict(model)
-                if rank == 0:
-                    unsharded = build(variant)
-                    unsharded.load_state_dict(full)
-                    unsharded.save_pretrained(args.out / "full" / key.replace(" ", "-"))
+                if rank == 0:  # the sharded model writes the gathered weights, as examples/multiprocess_train.py does
+                    model.save_pretrained(args.out / "full" / key.replace(" ", "-"), state_dict=full)
     if rank == 0:
         (args.out / "report.json").write_text(json.dumps(report))
     dist.barrier()

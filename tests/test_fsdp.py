@@ -13,24 +13,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
+from builders import CLIENT_VARIANTS, delta_model
 from fsdp_worker import VARIANTS, batches, build, make_optimizer, step_loss
 from transformers import AutoModelForCausalLM
 
-from ddl_hf.distributed import block_classes, fully_shard_model
+import ddl_hf
+from ddl_hf.distributed import block_classes, check_launch, fully_shard_model
 
 STEPS = 10
 WORKER = Path(__file__).parent / "fsdp_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(out: Path, *worker_args: str, nodes: int = 1) -> dict:
+def torchrun(out: Path, *worker_args: str, nodes: int = 1, accelerate_config: str | None = None) -> dict:
     """Run the worker on 2 processes (1 node with 2, or `nodes=2` agents with 1 each, meeting at a c10d
-    rendezvous on localhost, as two machines would) and return rank 0's report."""
+    rendezvous on localhost, as two machines would; or `accelerate launch` with a shipped config, float32) and
+    return rank 0's report."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
     worker = [str(WORKER), "--out", str(out), "--steps", str(STEPS), *worker_args]
     run = [sys.executable, "-m", "torch.distributed.run"]
-    if nodes == 1:
+    if accelerate_config:
+        config = ["--config_file", str(ROOT / "examples" / "fsdp2" / accelerate_config)]
+        launch = [sys.executable, "-m", "accelerate.commands.launch", *config, "--num_processes", "2"]
+        commands = [[*launch, "--mixed_precision", "no", *worker, "--engine", "accelerate"]]
+    elif nodes == 1:
         commands = [[*run, "--standalone", "--nproc_per_node", "2", *worker]]
     else:
         with socket.socket() as s:
@@ -125,3 +134,90 @@ def test_what_fully_shard_model_wraps_and_refuses():
     model.register_parameter("scalar", torch.nn.Parameter(torch.zeros(())))
     with pytest.raises(ValueError, match="0-dim parameters: scalar"):
         fully_shard_model(model)
+
+
+SHIPPED_CONFIGS = {"deltagpt.yaml": ["gpt-dv1", "gpt-paper-dv4"], "deltallama.yaml": ["llama-qwen3-dv4"]}
+
+
+@pytest.mark.parametrize("config", list(SHIPPED_CONFIGS))
+def test_accelerate_fsdp2_with_the_shipped_config_has_the_unsharded_losses(unsharded, tmp_path, config):
+    """`accelerate launch --config_file examples/fsdp2/<model>.yaml` (float32 here): accelerate's own FSDP2
+    preparation, with the wrap class, resharding and cpu-RAM-efficient loading of the shipped config."""
+    variants = SHIPPED_CONFIGS[config]
+    report = torchrun(tmp_path, "--variants", *variants, accelerate_config=config)
+    assert report["world_size"] == 2
+    wrap = report["accelerate_env"]["FSDP_TRANSFORMER_CLS_TO_WRAP"]
+    assert wrap == block_classes(unsharded[variants[0]][1])[0].__name__
+    for variant in variants:
+        losses, expected = report["losses"][variant], unsharded[variant][0]
+        assert max(abs(a - b) for a, b in zip(losses, expected, strict=True)) <= 1e-5, (variant, losses, expected)
+
+
+@pytest.mark.parametrize("config", list(SHIPPED_CONFIGS))
+def test_the_shipped_gpu_configs_are_fsdp2_with_bf16_and_the_right_wrap_class(config):
+    """What the GPU user runs, read by accelerate's own config loader: FSDP version 2, bf16, and a wrap class that
+    every variant of that model family has, with every parameter shardable (at least 1-D)."""
+    cluster = load_config_from_file(str(ROOT / "examples" / "fsdp2" / config))
+    assert cluster.distributed_type == DistributedType.FSDP
+    assert str(cluster.mixed_precision) == "bf16"
+    fsdp = cluster.fsdp_config
+    assert fsdp["fsdp_version"] == 2
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    if config == "deltallama.yaml":
+        models = [build("llama-qwen3-dv4")]
+    else:
+        models = [delta_model(spec, vocab_size=61) for spec in CLIENT_VARIANTS.values()]
+    for model in models:
+        assert [cls.__name__ for cls in block_classes(model)] == [fsdp["fsdp_transformer_layer_cls_to_wrap"]]
+        assert all(p.dim() >= 1 for p in model.parameters())
+
+
+def test_check_launch_refuses_what_accelerate_would_silently_change(monkeypatch):
+    """An FSDP launch that accelerate turned into DDP, and processes that each train alone (an FSDP config on a
+    CPU-only machine under a bare `Accelerator()`); a consistent launch passes."""
+    fake = lambda kind, processes: type("Accelerator", (), dict(distributed_type=kind, num_processes=processes))  # noqa: E731
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RuntimeError, match="2 processes were launched, but accelerate set up NO in each"):
+        check_launch(fake(DistributedType.NO, 1))
+    with pytest.raises(RuntimeError, match="FSDP was requested, but accelerate set up MULTI_CPU"):
+        check_launch(fake(DistributedType.MULTI_CPU, 2))
+    check_launch(fake(DistributedType.FSDP, 2))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    check_launch(fake(DistributedType.MULTI_CPU, 2))
+    with pytest.raises(RuntimeError, match="FSDP was requested"):
+        check_launch(fake(DistributedType.MULTI_CPU, 2), fsdp_requested=True)
+
+
+@pytest.fixture
+def second_rank_of_an_fsdp_launch(monkeypatch):
+    """This process as rank 1 of `accelerate launch` with an FSDP config and cpu-RAM-efficient loading (the
+    environment that transformers' from_pretrained reads), in a one-process gloo group."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_conversion_on_a_non_main_rank_leaves_no_meta_parameters(second_rank_of_an_fsdp_launch, family):
+    """There transformers leaves the parameters that a state dict lacks on the meta device, for accelerate to
+    broadcast; two meta parameters share data pointer 0, which accelerate's optimizer mapping confuses (the Delta
+    parameters of every rank but the first trained wrongly). Conversion gives them storage and their init."""
+    if family == "llama":
+        from test_delta_llama import build_source
+
+        model = ddl_hf.convert_llama(build_source("qwen3", vocab_size=61), delta_value_channels=4)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        source = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=61, n_positions=16))
+        model = ddl_hf.convert_gpt2(source, delta_value_channels=4)
+    assert not [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    for residual in model.delta_residuals().values():  # the closed gates of a conversion, as on the first rank
+        assert torch.equal(residual.gate_output.weight, torch.zeros_like(residual.gate_output.weight))

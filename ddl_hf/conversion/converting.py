@@ -136,6 +136,23 @@ def _describe_mismatch(entry) -> str:
 HUB_PROBE_TIMEOUT_S = 2.0
 
 
+def materialize_meta_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Give storage and their initialisation to parameters left on the meta device; returns the model.
+
+    Why: under an FSDP launch with cpu-RAM-efficient loading, transformers leaves what the state dict lacks (here
+    every Delta parameter) on the meta device on all ranks but the first, for accelerate to broadcast from it. But
+    accelerate (1.15) maps an optimizer's parameters to the sharded ones by data pointer, 0 for every meta tensor, so
+    the Delta parameters of those ranks all landed on one optimizer slot and trained wrongly, without an error.
+    """
+    real = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    modules = [m for m in model.modules() if any(p.device.type == "meta" for p in m.parameters(recurse=False))]
+    for module in modules:
+        module.to_empty(device=real, recurse=False)
+    for module in reversed(modules):  # children first: a parent's init of its children's parameters wins
+        model._init_weights(module)
+    return model
+
+
 def looks_like_path(name: str) -> bool:
     """A filesystem path rather than a Hub id ("gpt2", "org/name"), so a missing one is "no such directory"."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or os.path.exists(name)
@@ -293,7 +310,7 @@ def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTFor
             f"wrong shape {sorted(str(k) for k in info['mismatched_keys'])}."
         )
     model.generation_config = copy.deepcopy(gpt2.generation_config)
-    return model.train(gpt2.training)
+    return materialize_meta_parameters(model).train(gpt2.training)
 
 
 __all__ = ["DTYPES", "convert_gpt2", "load_gpt2", "read_source_config"]

@@ -16,7 +16,14 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from ..modeling_delta_llama import DeltaLlamaForCausalLM
-from .converting import CHECKPOINT_KEYS, _quiet_transformers, _resolve_dtype, hub_kwargs, read_source_config
+from .converting import (
+    CHECKPOINT_KEYS,
+    _quiet_transformers,
+    _resolve_dtype,
+    hub_kwargs,
+    materialize_meta_parameters,
+    read_source_config,
+)
 from .errors import ConversionError
 from .exporting import check_exportable
 
@@ -145,7 +152,7 @@ def _convert_llama(source, config_overrides: dict, share_weights: bool) -> Delta
             f"unexpected {sorted(info['unexpected_keys'])}, wrong shape {sorted(map(str, info['mismatched_keys']))}."
         )
     model.generation_config = copy.deepcopy(model_in.generation_config)
-    return model.train(model_in.training)
+    return materialize_meta_parameters(model).train(model_in.training)
 
 
 def export_to_llama(model: DeltaLlamaForCausalLM) -> PreTrainedModel:
