@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from typing import Any
 
 # First: importing delta_compat checks the installed transformers / torch, so that this file, the first Hub file
 # transformers loads, stops below the supported range with one clear error.
@@ -23,12 +24,15 @@ DELTA_NET_RULES = ("delta", "write_only")
 # The paper's variants (the authors' reference code names them TC, CC, EC and "constant value"; docs/variants.md).
 DELTA_STATE_READS = ("linear", "temporal_conv", "channel_conv")
 DELTA_EMBED_EXPANDS = ("repeat", "conv")
-DELTA_VALUES = ("linear", "constant")
+DELTA_VALUES = ("linear", "constant", "sigmoid")
 # How new Delta parameters start: "exact" (beta = delta_beta_init, default 0, and identity convolutions, so a
 # converted GPT-2 is reproduced exactly) or "reference" (the authors' from-scratch choices: beta = 1, averaging
 # convolutions). None (auto) = "exact" for parameters a loaded checkpoint lacks, "reference" for a model built
 # from its config.
 DELTA_INITS = ("exact", "reference")
+# The authors' model files that `reference(variant=...)` reproduces (docs/variants.md).
+REFERENCE_VARIANTS = ("dv1", "tc", "tc_ec", "cc", "cc_ec")
+REFERENCE_READS = {"tc": "temporal_conv", "cc": "channel_conv"}
 # Old spellings still accepted, with a FutureWarning: {old: new}.
 DELTA_NET_RULE_ALIASES = {"additive": "write_only"}
 
@@ -55,12 +59,57 @@ class DeltaResidualConfigMixin:
     delta_state_read: str = "linear"
     delta_embed_expand: str = "repeat"
     delta_conv_size: int = 4
+    delta_shared_read: bool = False
     delta_value: str = "linear"
     delta_value_constant: float = 2.0
+    delta_value_scale: float = 4.0
     delta_erase: bool = True
     delta_gate: str = "linear"
     delta_gate_hidden_size: int = 64
     delta_eps: float = 1e-6
+
+    @classmethod
+    def reference(cls, variant: str = "tc", value_channels: int | None = None, **kwargs: Any) -> Any:
+        """The authors' configuration of one of their model files (github.com/yifanzhang-pro/deep-delta-learning,
+        `model/`, commit d1f7621), as far as this model's backbone allows (docs/variants.md, "The reference preset").
+
+        `variant`: `"dv1"` (`DDL-vdim1-gpt-mha-rope-TC.py`, d_v = 1), `"tc"` (`DDL-gpt-mha-rope-TC.py`), `"tc_ec"`
+        (`-TC-EC.py`), `"cc"` (`-CC.py`), `"cc_ec"` (`-CC-EC.py`); `value_channels` defaults to theirs (4; 1 for
+        `"dv1"`). Paper mode, their initialisation (`delta_init="reference"`, beta 1), v = 4 sigmoid(W_v r + b) from
+        the un-normalised read, k's epsilon 1e-5, one compressor per block. `kwargs` override any field.
+        """
+        if variant not in REFERENCE_VARIANTS:
+            raise ValueError(f"{cls.__name__}.reference(variant={variant!r}): expected one of {REFERENCE_VARIANTS}.")
+        channels = (1 if variant == "dv1" else 4) if value_channels is None else value_channels
+        if (variant == "dv1") != (channels == 1):
+            raise ValueError(
+                f"{cls.__name__}.reference(variant={variant!r}, value_channels={channels}): 'dv1' is the d_v = 1 "
+                "file, every other variant an expanded state (value_channels > 1)."
+            )
+        fields: dict[str, Any] = dict(
+            delta_mode="paper",
+            delta_init="reference",
+            delta_beta_init=1.0,
+            delta_value="sigmoid",
+            delta_value_scale=4.0,
+            delta_eps=1e-5,
+            delta_gate="linear",
+            delta_erase=True,
+            delta_value_channels=channels,
+            delta_state_read="linear" if variant == "dv1" else REFERENCE_READS[variant[:2]],
+            delta_embed_expand="conv" if variant.endswith("_ec") else "repeat",
+            # their CC kernel defaults to d_v (`ddl_state_shortconv_kernel_size` set to d_v when only d_v is given)
+            delta_conv_size=channels if variant.startswith("cc") else 4,
+            delta_shared_read=channels > 1,
+        )
+        fields.update(cls._reference_backbone(kwargs))
+        fields.update(kwargs)
+        return cls(**fields)
+
+    @classmethod
+    def _reference_backbone(cls, overrides: dict) -> dict:
+        """Backbone fields of the reference preset (none for GPT-2's backbone)."""
+        return {}
 
     def _delta_fail(self, field: str, allowed: str) -> None:
         raise ValueError(f"{type(self).__name__}.{field}={getattr(self, field)!r} is invalid: {allowed}.")
@@ -119,6 +168,11 @@ class DeltaResidualConfigMixin:
         constant = self.delta_value_constant
         if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
             fail("delta_value_constant", "expected a finite number")
+        scale = self.delta_value_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            fail("delta_value_scale", "expected a finite number > 0")
+        if not isinstance(self.delta_shared_read, bool):
+            fail("delta_shared_read", "expected True (one read per block, the reference's) or False (one per residual)")
         if not isinstance(self.delta_erase, bool):
             fail("delta_erase", "expected True (erase and write) or False (write-only: X' = X + beta k v^T)")
 
@@ -172,10 +226,18 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
             depthwise convolution over time with one kernel per value channel; needs d_v > 1).
         delta_conv_size (`int`, defaults to 4):
             Kernel size of the variant convolutions (tokens for the temporal ones, channels for `"channel_conv"`).
+        delta_shared_read (`bool`, defaults to `False`):
+            True: a block's attention and MLP residuals read the state with one compressor (the MLP's read uses the
+            attention residual's read vector and convolution), as the authors' code does. False: each residual has
+            its own. Only matters for d_v > 1 or a convolution read.
         delta_value (`str`, defaults to `"linear"`):
-            `"linear"` v = W_v c, or `"constant"` v = `delta_value_constant` in every channel (no parameters).
+            `"linear"` v = W_v c from the normalised sublayer input c; `"sigmoid"` v = `delta_value_scale` *
+            sigmoid(W_v r + b) from the un-normalised read r (the state itself at d_v = 1, the read of the state at
+            d_v > 1), the authors' default; or `"constant"` v = `delta_value_constant` in every channel.
         delta_value_constant (`float`, defaults to 2.0):
             The value written by `delta_value="constant"`.
+        delta_value_scale (`float`, defaults to 4.0):
+            The range (0, scale) of `delta_value="sigmoid"` (the authors' `ddl_v_sigmoid_scale`).
         delta_erase (`bool`, defaults to `True`):
             False drops the erase term: the write-only ablation X' = X + beta k v^T (+ h 1^T in additive mode).
         delta_gate (`str`, defaults to `"linear"`):

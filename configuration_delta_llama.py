@@ -82,6 +82,29 @@ class DeltaLlamaConfig(PreTrainedConfig, DeltaResidualConfigMixin):
         super().validate()
         self.validate_delta_residual()
 
+    @classmethod
+    def _reference_backbone(cls, overrides: dict) -> dict:
+        """The authors' backbone at their 124M defaults, on the closest family (Qwen3: RMSNorm, QK-norm, SwiGLU, RoPE
+        without biases, tied embeddings): 12 layers, 6 heads of 128 (no grouped KV), width 768, SwiGLU width
+        floor(8 d / 3), vocabulary 50304, RMSNorm epsilon 1e-5, RoPE theta 10000. Sizes follow `overrides`."""
+        hidden = overrides.get("hidden_size", 768)
+        heads = overrides.get("num_attention_heads", 6)
+        return dict(
+            source_model_type="qwen3",
+            vocab_size=50304,
+            hidden_size=hidden,
+            num_hidden_layers=12,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=128,
+            intermediate_size=8 * hidden // 3,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attention_bias=False,
+            tie_word_embeddings=True,
+        )
+
     def family_config(self) -> PreTrainedConfig:
         """The source family's own config with the same architecture (the Delta fields dropped): what `export`
         writes, and what the tests compare against."""

@@ -16,7 +16,7 @@ DELTA_MODES = ("additive", "paper")
 DELTA_GATES = ("linear", "mlp")
 DELTA_STATE_READS = ("linear", "temporal_conv", "channel_conv")
 DELTA_EMBED_EXPANDS = ("repeat", "conv")
-DELTA_VALUES = ("linear", "constant")
+DELTA_VALUES = ("linear", "constant", "sigmoid")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 
@@ -60,7 +60,14 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     variants.add_argument("--conv-size", type=int, default=4, help="kernel size of the TC/CC/EC convolutions (4)")
     variants.add_argument(
-        "--value", choices=DELTA_VALUES, default=DELTA_VALUES[0], help="value v: linear projection, or constant"
+        "--value",
+        choices=DELTA_VALUES,
+        default=DELTA_VALUES[0],
+        help="value v: linear projection of the normalised read, a constant, or the authors' scale*sigmoid of the read",
+    )
+    variants.add_argument("--value-scale", type=float, default=4.0, help="range (0, scale) of --value sigmoid (4)")
+    variants.add_argument(
+        "--shared-read", action="store_true", help="one read (compressor) per block, shared by its two residuals"
     )
     variants.add_argument("--no-erase", action="store_true", help="write-only ablation X + beta k v^T (no erase term)")
     parser.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto", help="auto = the source's dtype")

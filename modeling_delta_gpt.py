@@ -261,19 +261,21 @@ class DeltaResidual(nn.Module):
     # ~14 tensor calls. Optional: None (the default) keeps the Python host path.
     one_token_kernel: Callable | None = None
 
-    def __init__(self, config: DeltaGPTConfig):
+    def __init__(self, config: DeltaGPTConfig, owns_read: bool = True):
         super().__init__()
         hidden_size, value_channels = config.hidden_size, config.delta_value_channels
         self.additive = config.delta_mode == "additive"
         self.eps = config.delta_eps
         self.value_channels = value_channels
         self.erase = config.delta_erase
-        if value_channels > 1:
+        # owns_read=False (`delta_shared_read`): the block reads for this residual with its other residual's read.
+        self.owns_read = owns_read
+        if value_channels > 1 and owns_read:
             self.read_weights = nn.Parameter(torch.empty(value_channels))
         # TC / CC: a convolution before the read vector (docs/variants.md).
         self.read_conv = (
             DeltaStateConv(config.delta_state_read, hidden_size, value_channels, config.delta_conv_size)
-            if config.delta_state_read != "linear"
+            if config.delta_state_read != "linear" and owns_read
             else None
         )
         if config.delta_gate == "linear":
@@ -287,11 +289,14 @@ class DeltaResidual(nn.Module):
         # [1], not a 0-dim scalar: FSDP2's fully_shard shards along dim 0 and refuses 0-dim parameters. Checkpoints
         # of ddl-hf 0.1 hold it 0-dim: `_load_from_state_dict` and delta_compat's loading conversion reshape them.
         self.beta_open = nn.Parameter(torch.empty(1))
-        if config.delta_value == "linear":
-            self.v_proj = nn.Linear(hidden_size, value_channels)
-        else:  # the reference code's constant value: v = c 1, no parameters
+        # v = W_v c ("linear"), scale * sigmoid(W_v r + b) from the un-normalised read r ("sigmoid", the authors'
+        # default), or a constant in every channel ("constant", no parameters).
+        self.value_scale = float(config.delta_value_scale) if config.delta_value == "sigmoid" else None
+        if config.delta_value == "constant":
             self.v_proj = None
             self.value_constant = float(config.delta_value_constant)
+        else:
+            self.v_proj = nn.Linear(hidden_size, value_channels)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         """`load_state_dict` (Trainer resume, peft adapters, DCP) of a checkpoint with the 0-dim `beta_open` of
@@ -344,6 +349,8 @@ class DeltaResidual(nn.Module):
         which load its weights around its forward (accelerate offload) fire for the read too."""
         if self.read_conv is None and self.value_channels == 1:
             return state
+        if not self.owns_read:
+            raise RuntimeError("This residual shares its block's read (delta_shared_read): read with attn_delta.")
         return self(state, read_from=(context, key))[0]
 
     def _read(self, state: torch.Tensor, context: DeltaConvContext | None, key: str) -> torch.Tensor:
@@ -359,8 +366,12 @@ class DeltaResidual(nn.Module):
         normed_input: torch.Tensor | None = None,
         branch_output: torch.Tensor | None = None,
         read_from: tuple | None = None,
+        read: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return the new state and beta `[batch, seq_len]`.
+
+        `read` is the un-normalised read of the state that `normed_input` normalises (`self.read(state)`): the
+        input of `delta_value="sigmoid"`, which needs it.
 
         `read_from=(context, key)` does the residual's read instead and returns `(read, None)`: the read uses this
         module's `read_weights`, and tools that load a module's weights only around its forward (accelerate's disk /
@@ -369,18 +380,27 @@ class DeltaResidual(nn.Module):
         """
         if read_from is not None:
             return self._read(state, *read_from), None
+        if self.value_scale is None:
+            value_input = normed_input
+        elif read is None:
+            raise ValueError(
+                "delta_value='sigmoid' computes v from the un-normalised read of the state: call the residual as "
+                "residual(state, normed_input, branch_output, read=residual.read(state))."
+            )
+        else:
+            value_input = read
         if not torch.is_grad_enabled() and self._takes_one_token_path():  # decoding: checked first, cheaply
             if self.one_token_kernel is not None:
-                update = self._update_one_token_natively(state, normed_input, branch_output)
+                update = self._update_one_token_natively(state, normed_input, branch_output, value_input)
                 if update is not None:  # None: the kernel found these inputs outside the one-token path
                     return update
-            elif self._updates_one_token_on_host(state, normed_input, branch_output):
-                return self._update_one_token(state, normed_input, branch_output)
+            elif self._updates_one_token_on_host(state, normed_input, branch_output, value_input):
+                return self._update_one_token(state, normed_input, branch_output, value_input)
         with autocast_off("cpu" if state.is_cpu else state.device.type):  # `device` builds an object per call
-            return self._update(state, normed_input, branch_output)
+            return self._update(state, normed_input, branch_output, value_input)
 
     def _update(
-        self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor
+        self, state: torch.Tensor, normed_input: torch.Tensor, branch_output: torch.Tensor, value_input: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Parameters and submodules straight from their dicts: `self.beta_open` misses the instance dict first,
         # and CPython formats an AttributeError before nn.Module.__getattr__ finds it (~1 µs per lookup, and
@@ -399,7 +419,10 @@ class DeltaResidual(nn.Module):
         beta = delta_gate(at_least_float32(_linear(modules["beta_proj"], c)), rho)  # [..., 1]
         v_proj = modules.get("v_proj")  # None for the constant value (then an instance attribute)
         if v_proj is not None:
-            value = at_least_float32(_linear(v_proj, c))
+            x = value_input if value_input.dtype == dtype else value_input.to(dtype)
+            value = at_least_float32(_linear(v_proj, x))
+            if self.value_scale is not None:
+                value = torch.sigmoid(value) * self.value_scale
         else:
             value = beta.new_full((*beta.shape[:-1], self.value_channels), self.value_constant)
         if self.fused:
@@ -426,7 +449,9 @@ class DeltaResidual(nn.Module):
             and (v_proj is None or _is_plain_linear(v_proj))
         )
 
-    def _updates_one_token_on_host(self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor) -> bool:
+    def _updates_one_token_on_host(
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor, value_input: torch.Tensor
+    ) -> bool:
         """Given autograd off and `_takes_one_token_path`, whether `_update_one_token` applies to these inputs: one
         token at batch 1 (decoding), on the CPU, without autocast, in float32 / float64 throughout (the parameters
         too). Everything else takes the tensor path. The native kernel checks the same conditions itself."""
@@ -437,12 +462,13 @@ class DeltaResidual(nn.Module):
             and dtype in _WIDE_FLOATS
             and branch_output.dtype == dtype
             and c.dtype == dtype
+            and value_input.dtype == dtype
             and self._parameters["beta_open"].dtype == dtype
             and not torch.is_autocast_enabled("cpu")
         )
 
     def _update_one_token(
-        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor, value_input: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_update` for one decoded token on the CPU: beta as a Python float (the gate logit read back), v from one
         `addmv`, then `one_token_delta_update`: the same math in 28 aten operator calls instead of 42 at d_v = 1, and
@@ -453,14 +479,16 @@ class DeltaResidual(nn.Module):
         rho = min(max(self._parameters["beta_open"].item(), 0.0), 1.0)
         beta = 2.0 * sigmoid(_matvec(modules["beta_proj"], c).item()) * rho
         if v_proj is not None:
-            value = _matvec(v_proj, c)
+            value = _matvec(v_proj, value_input.reshape(-1))
+            if self.value_scale is not None:
+                value = torch.sigmoid(value) * self.value_scale
         else:
             value = torch.full((self.value_channels,), self.value_constant, dtype=state.dtype)
         new_state = one_token_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
         return new_state, torch.full(branch_output.shape[:-1], beta, dtype=state.dtype)
 
     def _update_one_token_natively(
-        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor
+        self, state: torch.Tensor, c: torch.Tensor, branch_output: torch.Tensor, value_input: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`_update_one_token` as one call of `one_token_kernel` (`ddl_hf.native`), which returns None for inputs
         that `_updates_one_token_on_host` would refuse."""
@@ -480,6 +508,8 @@ class DeltaResidual(nn.Module):
             self.eps,
             self.additive,
             self.erase,
+            value_input,
+            self.value_scale or 0.0,
         )
 
 
@@ -823,7 +853,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         self.attn_delta = DeltaResidual(config)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config)
-        self.mlp_delta = DeltaResidual(config)
+        self.mlp_delta = DeltaResidual(config, owns_read=not config.delta_shared_read)
 
     def delta_residuals(self) -> dict[str, tuple[nn.Module, nn.LayerNorm]]:
         """{attribute name: (Delta residual, the LayerNorm that produces its sublayer and gate input)}."""
@@ -840,7 +870,8 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
         attn_delta, mlp_delta = self.attn_delta, self.mlp_delta
-        normed = self.ln_1(attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn"))
+        read = attn_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.attn")
+        normed = self.ln_1(read)
         if isinstance(self.attn, DeltaNetAttention) and delta_context is not None:
             kwargs["document_starts"] = delta_context.document_starts  # attention reads documents from its mask
         attn_output, _ = self.attn(
@@ -850,10 +881,12 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
             **cache_argument(cache),
             **kwargs,
         )
-        hidden_states, attn_beta = attn_delta(hidden_states, normed, attn_output)
+        hidden_states, attn_beta = attn_delta(hidden_states, normed, attn_output, read=read)
 
-        normed = self.ln_2(mlp_delta.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp"))
-        hidden_states, mlp_beta = mlp_delta(hidden_states, normed, self.mlp(normed))
+        reader = mlp_delta if mlp_delta.owns_read else attn_delta  # delta_shared_read: one read per block
+        read = reader.read(hidden_states, delta_context, f"h.{self.layer_idx}.mlp")
+        normed = self.ln_2(read)
+        hidden_states, mlp_beta = mlp_delta(hidden_states, normed, self.mlp(normed), read=read)
         return hidden_states, attn_beta, mlp_beta
 
 
@@ -1027,24 +1060,11 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
             out_proj = module.o_proj if isinstance(module, DeltaNetAttention) else module.c_proj
             init.normal_(out_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
         if isinstance(module, DeltaResidual):
-            # beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0 so beta is the same for every
-            # token; rho (the opening) and b are set so that beta == delta_beta_init exactly.
             resolve_delta_init(self.config, loading=False)  # no-op once resolved
-            beta0 = float(self.config.delta_beta_init)
-            gate_out = module.gate_output
-            init.zeros_(gate_out.weight)
-            if beta0 <= 1.0:
-                init.constant_(module.beta_open, beta0)
-                init.zeros_(gate_out.bias)  # 2 sigmoid(0) = 1 exactly
+            if self.config.delta_init == "reference":
+                init_delta_residual_as_reference(module, float(self.config.delta_beta_init))
             else:
-                half = min(beta0 / 2.0, 1.0 - 1e-9)
-                init.constant_(module.beta_open, 1.0)
-                init.constant_(gate_out.bias, math.log(half / (1.0 - half)))
-            if module.v_proj is not None:
-                init.normal_(module.v_proj.weight, mean=0.0, std=std)
-                init.zeros_(module.v_proj.bias)
-            if module.value_channels > 1:
-                init.constant_(module.read_weights, 1.0 / module.value_channels)
+                init_delta_residual_exactly(module, float(self.config.delta_beta_init), std)
         if isinstance(module, DeltaStateConv):
             # exact: the identity (a converted model computes GPT-2); reference: an average over the K taps.
             if self.config.delta_init == "exact":
@@ -1059,6 +1079,56 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
 
 # Checkpoints of ddl-hf 0.1 hold `beta_open` 0-dim (today `[1]`): `from_pretrained` reshapes them on load.
 load_legacy_shapes(DeltaGPTConfig.model_type, "beta_open")
+
+
+def init_delta_residual_exactly(module: DeltaResidual, beta0: float, std: float) -> None:
+    """beta = 2 sigmoid(w^T c + b) rho. The last gate layer starts at w = 0, so beta is the same for every token;
+    rho (the opening) and b are set so that beta == beta0 exactly. v_proj: GPT-2's N(0, std)."""
+    gate_out = module.gate_output
+    init.zeros_(gate_out.weight)
+    if beta0 <= 1.0:
+        init.constant_(module.beta_open, beta0)
+        init.zeros_(gate_out.bias)  # 2 sigmoid(0) = 1 exactly
+    else:
+        half = min(beta0 / 2.0, 1.0 - 1e-9)
+        init.constant_(module.beta_open, 1.0)
+        init.constant_(gate_out.bias, math.log(half / (1.0 - half)))
+    if module.v_proj is not None:
+        init.normal_(module.v_proj.weight, mean=0.0, std=std)
+        init.zeros_(module.v_proj.bias)
+    if "read_weights" in module._parameters:  # not on a residual that shares its block's read
+        init.constant_(module.read_weights, 1.0 / module.value_channels)
+
+
+# The authors' initialisation at commit d1f7621 of github.com/yifanzhang-pro/deep-delta-learning
+# (`model/init_utils.py::init_gpt_weights`, `model/modules/initialization.py::spectral_std`): every matrix
+# N(0, spectral_std) with their `hidden_init_std_factor` 0.5; biases other than the gate's keep nn.Linear's default.
+REFERENCE_COMMIT = "d1f76215c999be3089fe3132fe30e7a63dc8bbcb"
+REFERENCE_STD_FACTOR = 0.5
+
+
+def spectral_std(fan_in: int, fan_out: int, factor: float = REFERENCE_STD_FACTOR) -> float:
+    """The reference's std of an `[fan_out, fan_in]` matrix: factor / sqrt(fan_in) * min(1, sqrt(fan_out / fan_in))."""
+    return factor / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+
+
+def init_delta_residual_as_reference(module: DeltaResidual, beta0: float) -> None:
+    """The reference's Delta residual at `REFERENCE_COMMIT`: gate matrices N(0, spectral_std), the gate's bias
+    logit(beta0 / 2) (p clamped to [1e-6, 1 - 1e-6]) with the opening rho = 1 (they have none), v_proj's weight
+    N(0, spectral_std) and its bias nn.Linear's U(-1/sqrt(D), 1/sqrt(D)), the read vector 1 / d_v."""
+    for layer in module.beta_proj.modules() if isinstance(module.beta_proj, nn.Sequential) else [module.beta_proj]:
+        if isinstance(layer, nn.Linear):
+            init.normal_(layer.weight, mean=0.0, std=spectral_std(layer.in_features, layer.out_features))
+    p = min(max(min(max(beta0, 0.0), 2.0) / 2.0, 1e-6), 1.0 - 1e-6)
+    init.constant_(module.gate_output.bias, math.log(p / (1.0 - p)))
+    init.constant_(module.beta_open, 1.0)
+    v_proj = module.v_proj
+    if v_proj is not None:
+        init.normal_(v_proj.weight, mean=0.0, std=spectral_std(v_proj.in_features, v_proj.out_features))
+        bound = 1.0 / math.sqrt(v_proj.in_features)
+        init.uniform_(v_proj.bias, -bound, bound)
+    if "read_weights" in module._parameters:  # not on a residual that shares its block's read
+        init.constant_(module.read_weights, 1.0 / module.value_channels)
 
 
 def resolve_delta_init(config: DeltaGPTConfig, loading: bool) -> None:

@@ -68,6 +68,7 @@ from .modeling_delta_gpt import (
     _with_delta_outputs,
     check_token_ids,
     packed_document_starts,
+    spectral_std,
 )
 
 
@@ -148,7 +149,7 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = family.attention(config=config, layer_idx=layer_idx)
         self.attn_delta = DeltaResidual(config)
         self.mlp = family.mlp(config)
-        self.mlp_delta = DeltaResidual(config)
+        self.mlp_delta = DeltaResidual(config, owns_read=not config.delta_shared_read)
         self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -172,7 +173,8 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
         key = f"layers.{self.layer_idx}"
-        normed = self.input_layernorm(self.attn_delta.read(hidden_states, delta_context, f"{key}.attn"))
+        read = self.attn_delta.read(hidden_states, delta_context, f"{key}.attn")
+        normed = self.input_layernorm(read)
         attn_output, _ = self.self_attn(
             hidden_states=normed,
             attention_mask=attention_mask,
@@ -182,10 +184,12 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
             **cache_argument(cache),
             **kwargs,
         )
-        hidden_states, attn_beta = self.attn_delta(hidden_states, normed, attn_output)
+        hidden_states, attn_beta = self.attn_delta(hidden_states, normed, attn_output, read=read)
 
-        normed = self.post_attention_layernorm(self.mlp_delta.read(hidden_states, delta_context, f"{key}.mlp"))
-        hidden_states, mlp_beta = self.mlp_delta(hidden_states, normed, self.mlp(normed))
+        reader = self.mlp_delta if self.mlp_delta.owns_read else self.attn_delta  # delta_shared_read
+        read = reader.read(hidden_states, delta_context, f"{key}.mlp")
+        normed = self.post_attention_layernorm(read)
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, normed, self.mlp(normed), read=read)
         return hidden_states, attn_beta, mlp_beta
 
 
@@ -436,10 +440,42 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
         )
 
 
+# The authors' residual output projections (their `attn.o_proj` and `mlp.o_proj`), under the Llama family's names.
+REFERENCE_OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+@torch.no_grad()
+def init_reference_backbone(model: nn.Module, embedding_std: float = 0.02) -> nn.Module:
+    """Initialise a Llama-style backbone (a DeltaLlama, or the family's own model) as the authors' code does at
+    `modeling_delta_gpt.REFERENCE_COMMIT` (`init_utils.init_gpt_weights`); returns the model.
+
+    The (tied) embedding N(0, `embedding_std`); every other backbone matrix N(0, spectral_std(fan_in, fan_out)) with
+    their factor 0.5, divided by the number of layers for the projections that write to the residual (attention and
+    MLP output); norms at one. Delta parameters are left to `delta_init` (call this after building the model)."""
+    layers = model.config.num_hidden_layers
+    delta = {id(p) for p in model.delta_parameters().values()} if hasattr(model, "delta_parameters") else set()
+    embedding = model.get_input_embeddings().weight
+    for name, parameter in model.named_parameters():
+        if id(parameter) in delta:
+            continue
+        if parameter is embedding:
+            init.normal_(parameter, mean=0.0, std=embedding_std)
+        elif parameter.dim() >= 2:
+            fan_out = parameter.shape[0]
+            std = spectral_std(parameter.numel() // fan_out, fan_out)
+            init.normal_(parameter, mean=0.0, std=std / layers if name.endswith(REFERENCE_OUTPUT_PROJECTIONS) else std)
+        elif name.endswith("norm.weight"):
+            init.ones_(parameter)
+        else:
+            raise ValueError(f"init_reference_backbone: no rule for {name} {tuple(parameter.shape)} (a bias?)")
+    return model
+
+
 __all__ = [
     "DeltaLlamaDecoderLayer",
     "DeltaLlamaForCausalLM",
     "DeltaLlamaModel",
     "DeltaLlamaPreTrainedModel",
+    "init_reference_backbone",
     "rms_beta_upper_bound",
 ]

@@ -82,6 +82,7 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
 }
 BASELINE = "gpt2"  # the baseline of either arch (GPT-2, or the Llama-style backbone with --arch llama)
 ARCHS = ("gpt2", "llama")
+INITS = ("hf", "reference")
 BASE_NAMES = {"gpt2": "GPT-2", "llama": "Llama-style"}
 
 
@@ -130,14 +131,19 @@ class Preset:
     eval_corpus: str = "austen-heldout"
     tokenizer: str = "bpe"  # "bpe": trained on the train corpus; "gpt2": GPT-2's own
     arch: str = "gpt2"  # "gpt2": GPT-2 vs DeltaGPT; "llama": the reference code's backbone vs DeltaLlama
+    init: str = "hf"  # "hf": transformers' init of the backbone; "reference": the authors' (--arch llama)
     bf16: bool = False
-    recipe: int = 1  # bump when the training code changes what a run computes
+    # Bump when the training code changes what a run computes. 2: from-scratch Delta parameters start with the
+    # authors' init of commit d1f7621 (ddl-hf 0.2); recipe 1 was ddl-hf 0.1's (gate weight 0, v_proj N(0, 0.02)).
+    recipe: int = 2
 
     def key(self) -> str:
         import hashlib
 
         # The number of seeds does not change what a run computes: asking for more reuses the runs already made.
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("seeds", "extra_seeds")}
+        if fields["init"] == "hf":  # a field added after the first runs: absent at its default, as it was
+            del fields["init"]
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
         return f"L{self.n_layer}-D{self.n_embd}-V{self.vocab_size}-{self.steps}steps-{digest}"
 
@@ -371,6 +377,8 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
         delta_config = functools.partial(ddl_hf.DeltaLlamaConfig, source_model_type="qwen3")
     torch.manual_seed(seed)
     baseline = baseline_class(baseline_config)
+    if preset.init == "reference":  # the authors' backbone init; the Delta models share it (loaded below)
+        ddl_hf.init_reference_backbone(baseline)
     overrides = VARIANTS[variant][1]
     if overrides is None:
         return baseline
@@ -755,6 +763,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "QK-norm) vs DeltaLlama",
     )
     parser.add_argument(
+        "--init",
+        choices=INITS,
+        default=None,
+        help="the backbone's init: hf (transformers', default) or reference (the authors', --arch llama only)",
+    )
+    parser.add_argument(
         "--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: every one the arch supports"
     )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the preset's)")
@@ -794,7 +808,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_preset(args: argparse.Namespace) -> Preset:
     preset = dataclasses.replace(PRESETS[args.preset])
-    for field in ("seeds", "extra_seeds", "steps", "arch"):
+    for field in ("seeds", "extra_seeds", "steps", "arch", "init"):
         if getattr(args, field) is not None:
             setattr(preset, field, getattr(args, field))
     types = {f.name: f.type for f in dataclasses.fields(Preset)}
@@ -808,6 +822,11 @@ def resolve_preset(args: argparse.Namespace) -> Preset:
         setattr(preset, field, kind(value))
     if preset.arch not in ARCHS:
         raise SystemExit(f"bench_pretrain: arch {preset.arch!r}: expected one of {ARCHS}")
+    if preset.init not in INITS or (preset.init == "reference" and preset.arch != "llama"):
+        raise SystemExit(
+            f"bench_pretrain: init {preset.init!r}: expected one of {INITS}; 'reference' (the authors' backbone "
+            "init) needs --arch llama"
+        )
     supported = [v for v in VARIANTS if preset.arch == "gpt2" or "token_mixer" not in (VARIANTS[v][1] or {})]
     if args.variants is None:
         args.variants = supported

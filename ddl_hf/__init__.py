@@ -41,7 +41,12 @@ from .modeling_delta_gpt import (
     DeltaResidual,
     DeltaStateCache,
 )
-from .modeling_delta_llama import DeltaLlamaForCausalLM, DeltaLlamaModel, DeltaLlamaPreTrainedModel
+from .modeling_delta_llama import (
+    DeltaLlamaForCausalLM,
+    DeltaLlamaModel,
+    DeltaLlamaPreTrainedModel,
+    init_reference_backbone,
+)
 from .peft_targets import register_peft_targets
 
 __version__ = "0.2.0"
@@ -107,5 +112,6 @@ __all__ = [
     "equivalence_report",
     "export_to_gpt2",
     "export_to_llama",
+    "init_reference_backbone",
     "push_converted_to_hub",
 ]

@@ -67,6 +67,14 @@ CLIENT_VARIANTS: dict[str, dict[str, Any]] = {
         delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv"
     ),
     "cc-dv4": dict(delta_value_channels=4, delta_state_read="channel_conv"),
+    # The authors' configuration (DeltaGPTConfig.reference("tc")): their value branch, one read per block.
+    "reference-tc-dv4": dict(
+        delta_mode="paper",
+        delta_value_channels=4,
+        delta_state_read="temporal_conv",
+        delta_value="sigmoid",
+        delta_shared_read=True,
+    ),
 }
 
 #: Shapes of the GPT-2 family: (n_layer, n_head, n_embd) of the real checkpoints.

@@ -174,7 +174,7 @@ def test_beta_one_replaces_and_beta_two_reflects(d: int, value_channels: int, se
 @pytest.mark.parametrize("gate", ["linear", "mlp"])
 def test_beta_starts_exactly_at_delta_beta_init(beta_init: float, gate: str, token_batch: torch.Tensor) -> None:
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_beta_init=beta_init, delta_gate=gate))
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_beta_init=beta_init, delta_gate=gate, delta_init="exact"))
     betas = model(token_batch, output_betas=True).betas
     assert len(betas) == 2 * model.config.n_layer
     for beta in betas:
@@ -189,7 +189,7 @@ def test_beta_starts_exactly_at_delta_beta_init(beta_init: float, gate: str, tok
 def test_closed_gate_still_gets_a_gradient(mode: str, token_batch: torch.Tensor) -> None:
     """beta == 0 exactly, yet dL/d(opening) != 0 in every block: a gate can open when training wants it."""
     torch.manual_seed(0)
-    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_mode=mode, delta_beta_init=0.0)).train()
+    model = ddl_hf.DeltaGPTForCausalLM(delta_config(delta_mode=mode, delta_beta_init=0.0, delta_init="exact")).train()
     out = model(token_batch, labels=token_batch, output_betas=True)
     assert all(torch.count_nonzero(beta) == 0 for beta in out.betas)
     out.loss.backward()

@@ -42,6 +42,15 @@ def residual(d_v: int, mode: str, dtype=torch.float32, **fields) -> DeltaResidua
     return module
 
 
+# The value branches and the write-only ablation; "sigmoid" reads the un-normalised read (`read_of`).
+VALUE_FIELDS = [{}, {"delta_erase": False}, {"delta_value": "constant"}, {"delta_value": "sigmoid"}]
+
+
+def read_of(normed: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the un-normalised read of the state: another tensor than the normalised one."""
+    return 3 * normed.flip(-1) + 1
+
+
 def inputs(d_v: int, dtype=torch.float32, shape=(2, 5), dim=32, seed=1):
     g = torch.Generator().manual_seed(seed)
     state = torch.randn(*shape, dim, *((d_v,) if d_v > 1 else ()), generator=g).to(dtype)
@@ -94,22 +103,23 @@ def test_fused_update_takes_beta_with_or_without_the_trailing_one(d_v, mode):
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)
-@pytest.mark.parametrize("fields", [{}, {"delta_erase": False}, {"delta_value": "constant"}], ids=str)
+@pytest.mark.parametrize("fields", VALUE_FIELDS, ids=str)
 def test_no_grad_path_gives_the_autograd_path_bits_and_matches_the_reference(d_v, mode, fields):
     module = residual(d_v, mode, **fields)
     state, normed, h = inputs(d_v)
+    read = read_of(normed)
     with torch.inference_mode():
-        fast_state, fast_beta = module(state, normed, h)
+        fast_state, fast_beta = module(state, normed, h, read=read)
     with torch.no_grad():
-        nograd_state, nograd_beta = module(state, normed, h)
-    leaves = [t.clone().requires_grad_() for t in (state, normed, h)]
-    grad_state, grad_beta = module(*leaves)
+        nograd_state, nograd_beta = module(state, normed, h, read=read)
+    leaves = [t.clone().requires_grad_() for t in (state, normed, h, read)]
+    grad_state, grad_beta = module(*leaves[:3], read=leaves[3])
     assert torch.equal(fast_state, grad_state.detach()) and torch.equal(fast_beta, grad_beta.detach())
     assert torch.equal(nograd_state, fast_state) and torch.equal(nograd_beta, fast_beta)
     assert fast_beta.shape == state.shape[:2]
     module.fused = False  # the readable reference (delta_update)
     with torch.inference_mode():
-        plain_state, plain_beta = module(state, normed, h)
+        plain_state, plain_beta = module(state, normed, h, read=read)
     assert torch.equal(plain_beta, fast_beta)
     torch.testing.assert_close(fast_state, plain_state, rtol=1e-5, atol=1e-5)
 
@@ -187,16 +197,17 @@ def _spy_host_path(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)
-@pytest.mark.parametrize("fields", [{}, {"delta_erase": False}, {"delta_value": "constant"}], ids=str)
+@pytest.mark.parametrize("fields", VALUE_FIELDS, ids=str)
 def test_one_decoded_token_takes_the_host_path_and_matches_the_tensor_path(monkeypatch, d_v, mode, fields):
     """The host path's token against the same token decoded by the tensor path (a batch of two rows runs it)."""
     calls = _spy_host_path(monkeypatch)
     module = residual(d_v, mode, **fields)
     state, normed, h = inputs(d_v, shape=(2, 1))
+    read = read_of(normed)
     with torch.inference_mode():
-        tensor_state, tensor_beta = module(state, normed, h)
+        tensor_state, tensor_beta = module(state, normed, h, read=read)
         assert not calls
-        host_state, host_beta = module(state[:1], normed[:1], h[:1])
+        host_state, host_beta = module(state[:1], normed[:1], h[:1], read=read[:1])
     assert len(calls) == 1
     assert host_state.shape == state[:1].shape and host_beta.shape == (1, 1)
     assert host_state.dtype == tensor_state.dtype and host_beta.dtype == tensor_beta.dtype

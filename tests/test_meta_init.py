@@ -59,7 +59,12 @@ def test_every_weight_is_initialised_from_the_meta_device_as_when_built(name):
         assert loaded.shape == value.shape, param_name
         if torch.equal(value, rebuilt[param_name]):
             assert torch.equal(loaded, value), param_name
+        elif value.numel() < 8:  # random and too few to have a spread (v_proj's bias at d_v = 1): its scale
+            largest = float(torch.cat([value.flatten(), rebuilt[param_name].flatten()]).abs().max())
+            assert 0 < float(loaded.abs().max()) <= 10 * largest, param_name
         else:  # random: a zero-mean draw of the built model's scale (not zeros, not the meta device's garbage)
             spread = float(torch.cat([value.flatten(), rebuilt[param_name].flatten()]).detach().std())
             assert abs(float(loaded.mean())) <= 4 * spread / value.numel() ** 0.5, param_name
-            assert 0.5 <= float(loaded.std()) / spread <= 2.0, param_name
+            # a sample std of n draws is off by ~1/sqrt(2n): 6 of those, and never tighter than a factor of 2
+            slack = 6 / (2 * value.numel()) ** 0.5
+            assert min(0.5, max(0.25, 1 - slack)) <= float(loaded.std()) / spread <= max(2.0, 1 + slack), param_name

@@ -43,7 +43,7 @@ def counting(kernel, calls: list):
     return counted
 
 
-def reference(module: DeltaResidual, state, normed, h):
+def reference(module: DeltaResidual, state, normed, h, read=None):
     """The module's update in float64 from its parameters, with `delta_update` (the readable reference)."""
     p = {name: t.detach().double() for name, t in module.named_parameters()}
     state, normed, h = state.double(), normed.double(), h.double()
@@ -52,8 +52,10 @@ def reference(module: DeltaResidual, state, normed, h):
     if module.v_proj is None:  # the constant value, as the tensors of the module's dtype hold it
         constant = torch.tensor(module.value_constant, dtype=module.beta_open.dtype).double()
         value = constant.expand(*beta.shape, module.value_channels)
-    else:
+    elif module.value_scale is None:
         value = normed @ p["v_proj.weight"].T + p["v_proj.bias"]
+    else:  # the authors' value: scale * sigmoid(W_v r + b) of the un-normalised read
+        value = module.value_scale * torch.sigmoid(read.double() @ p["v_proj.weight"].T + p["v_proj.bias"])
     additive = module.additive
     out = delta_update(state, unit_direction(h, module.eps), beta, value, h if additive else None, module.erase)
     return out, beta
@@ -63,19 +65,22 @@ def reference(module: DeltaResidual, state, normed, h):
     ("d_v", "mode", "expanded_view"),
     [(d_v, mode, False) for d_v, mode in CASES] + [(4, mode, True) for mode in ("additive", "paper")],
 )
-@pytest.mark.parametrize("fields", [{}, {"delta_erase": False}, {"delta_value": "constant"}], ids=str)
+@pytest.mark.parametrize(
+    "fields", [{}, {"delta_erase": False}, {"delta_value": "constant"}, {"delta_value": "sigmoid"}], ids=str
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_native_update_matches_the_float64_reference(kernel, d_v, mode, expanded_view, fields, dtype):
     module = residual(d_v, mode, dtype, **fields)
     calls = []
     module.one_token_kernel = counting(kernel, calls)
     state, normed, h = inputs(d_v, dtype, shape=(1, 1), seed=7)
+    read = 3 * normed.flip(-1) + 1  # the un-normalised read: another tensor than the normalised one
     if expanded_view:  # the first state of an expanded model: the embedding repeated over d_v, stride 0
         state = state[..., :1].expand(state.shape)
     with torch.inference_mode():
-        out, beta = module(state, normed, h)
+        out, beta = module(state, normed, h, read=read)
     assert calls == [1]
-    expected, expected_beta = reference(module, state, normed, h)
+    expected, expected_beta = reference(module, state, normed, h, read)
     assert out.shape == state.shape and out.dtype == dtype and beta.shape == (1, 1) and beta.dtype == dtype
     tolerance = 1e-12 if dtype == torch.float64 else 2e-6
     torch.testing.assert_close(beta.double(), expected_beta, rtol=tolerance, atol=tolerance)
@@ -191,7 +196,7 @@ def test_the_kernel_declines_what_the_host_path_declines_and_refuses_malformed_i
 
     def update(state=state, normed=normed, h=h, gate_weight=gate.weight):
         parameters = (gate_weight, gate.bias, value.weight, value.bias, module.beta_open)
-        return kernel(state, normed, h, *parameters, 0.0, 1e-6, True, True)
+        return kernel(state, normed, h, *parameters, 0.0, 1e-6, True, True, normed, 0.0)
 
     assert update() is None  # autograd is on
     with torch.no_grad():

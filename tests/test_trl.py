@@ -42,7 +42,10 @@ def tiny_model(mixer: str):
     special = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if mixer in MIXERS:
         return delta_model(MIXERS[mixer], vocab_size=len(TOKENIZER), delta_beta_init=0.5, **special)
-    model = delta_model(CLIENT_VARIANTS[mixer.removeprefix("attention-")], vocab_size=len(TOKENIZER), **special)
+    # The exact scheme (then scrambled), not the authors' init: from that one, 6 SGD steps at lr 1 turn the float
+    # rounding by which packed and padded gradients differ (4e-6 relative, measured) into 1e-3 of loss.
+    variant = CLIENT_VARIANTS[mixer.removeprefix("attention-")]
+    model = delta_model(variant, vocab_size=len(TOKENIZER), delta_init="exact", delta_beta_init=1.0, **special)
     scramble_delta_weights(model)  # the EC expansion starts as the identity: make it, and the TC read, matter
     return model
 
@@ -90,7 +93,7 @@ def test_sft_packed_trains_exactly_like_unpacked(mixer, tmp_path):
     for trainer in trainers.values():
         trainer.train()
     curves = {packing: [h["loss"] for h in t.state.log_history if "loss" in h] for packing, t in trainers.items()}
-    assert len(curves[True]) == 6 and curves[True][-1] < curves[True][0] - 0.3  # it learns
+    assert len(curves[True]) == 6 and curves[True][-1] < curves[True][0] - 0.1  # it learns
     assert curves[True] == pytest.approx(curves[False], rel=1e-5, abs=0)
     weights = [dict(t.model.named_parameters()) for t in trainers.values()]
     for name, param in weights[0].items():

@@ -20,6 +20,7 @@ TEMPORAL = [
     dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv", delta_mode="paper"),
     dict(delta_value_channels=3, delta_embed_expand="conv", delta_conv_size=3, delta_value="constant"),
     dict(delta_value_channels=2, delta_state_read="temporal_conv", delta_erase=False, token_mixer="delta_net"),
+    dict(delta_value_channels=1, delta_state_read="temporal_conv", delta_value="sigmoid", delta_mode="paper"),
 ]
 
 

@@ -55,6 +55,8 @@ def run_cli(args: argparse.Namespace) -> int:
             delta_embed_expand=args.embed_expand,
             delta_conv_size=args.conv_size,
             delta_value=args.value,
+            delta_value_scale=args.value_scale,
+            delta_shared_read=args.shared_read,
             delta_erase=not args.no_erase,
             dtype=args.dtype,
             force=args.force,
@@ -119,9 +121,11 @@ def recorded_command(args: argparse.Namespace) -> str:
                 ("embed-expand", args.embed_expand, DELTA_EMBED_EXPANDS[0]),
                 ("conv-size", args.conv_size, 4),
                 ("value", args.value, DELTA_VALUES[0]),
+                ("value-scale", f"{args.value_scale:g}", "4"),
             )
             if value != default
         )
+        + (" --shared-read" if args.shared_read else "")
         + (" --no-erase" if args.no_erase else "")
     )
 

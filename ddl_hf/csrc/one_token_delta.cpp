@@ -2,7 +2,7 @@
 //
 // The same math as delta_ops.one_token_delta_update (and, with beta and v computed here, as
 // DeltaResidual._update_one_token): the gate logit g = w_g . c + b_g, beta = 2 sigmoid(g) clamp(beta_open, 0, 1),
-// v = W_v c + b_v (or a constant), r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode),
+// v = W_v c + b_v (or scale sigmoid(W_v x + b_v) of the un-normalised read x, or a constant), r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode),
 // X' = X + h s^T. Decoding one token is all per-call overhead in Python (~14 tensor calls per Delta block); here it
 // is one. Sums run in double precision; X' is formed in the tensor dtype, X + s h, so beta == 0 gives X + h
 // (additive) or X (paper) bit for bit, as in the Python paths.
@@ -33,10 +33,12 @@ template <typename T>
 void update(const at::Tensor& state, const at::Tensor& c, const at::Tensor& h, const at::Tensor& gate_weight,
             const c10::optional<at::Tensor>& gate_bias, const c10::optional<at::Tensor>& value_weight,
             const c10::optional<at::Tensor>& value_bias, double rho, double value_constant, double eps, bool additive,
-            bool erase, int64_t value_channels, at::Tensor& out, double& beta) {
+            bool erase, int64_t value_channels, const at::Tensor& value_input, double value_scale, at::Tensor& out,
+            double& beta) {
   const int64_t d = h.numel(), dv = value_channels;
   const T* __restrict__ hp = h.data_ptr<T>();
   const T* __restrict__ cp = c.data_ptr<T>();
+  const T* __restrict__ vip = value_input.data_ptr<T>();  // c, or the read for the sigmoid value
   const T* __restrict__ xp = state.data_ptr<T>();  // [D] or [D, d_v] row-major
   T* __restrict__ op = out.data_ptr<T>();
 
@@ -63,8 +65,9 @@ void update(const at::Tensor& state, const at::Tensor& c, const at::Tensor& h, c
   for (int64_t j = 0; j < dv; ++j) {
     double v = static_cast<double>(static_cast<T>(value_constant));  // the constant as the tensors hold it
     if (value_weight.has_value()) {
-      v = dot(value_weight->data_ptr<T>() + j * d, cp, d);
+      v = dot(value_weight->data_ptr<T>() + j * d, vip, d);
       if (value_bias.has_value()) v += static_cast<double>(value_bias->data_ptr<T>()[j]);
+      if (value_scale > 0.0) v = value_scale * logistic(v);
     }
     s[j] = static_cast<T>(rb * (v - r * hx[j]) + (additive ? 1.0 : 0.0));
   }
@@ -94,24 +97,27 @@ py::object one_token_delta_update(const at::Tensor& state, const at::Tensor& c, 
                                   const at::Tensor& gate_weight, const c10::optional<at::Tensor>& gate_bias,
                                   const c10::optional<at::Tensor>& value_weight,
                                   const c10::optional<at::Tensor>& value_bias, const at::Tensor& beta_open,
-                                  double value_constant, double eps, bool additive, bool erase) {
+                                  double value_constant, double eps, bool additive, bool erase,
+                                  const at::Tensor& value_input, double value_scale) {
   const auto dtype = state.scalar_type();
   const bool applies = !at::GradMode::is_enabled() && !at::autocast::is_autocast_enabled(at::kCPU) && h.dim() > 0 &&
                        h.numel() == h.size(-1) && (dtype == at::kFloat || dtype == at::kDouble) &&
                        same_dtype_on_cpu(state, dtype) && same_dtype_on_cpu(c, dtype) && same_dtype_on_cpu(h, dtype) &&
+                       same_dtype_on_cpu(value_input, dtype) &&
                        same_dtype_on_cpu(gate_weight, dtype) && same_dtype_on_cpu(gate_bias, dtype) &&
                        same_dtype_on_cpu(value_weight, dtype) && same_dtype_on_cpu(value_bias, dtype) &&
                        same_dtype_on_cpu(beta_open, dtype);
   if (!applies) return py::none();
   const int64_t d = h.numel();
   const int64_t value_channels = state.numel() / d;
-  TORCH_CHECK(state.numel() == d * value_channels && c.numel() == d, "state / input sizes do not match h");
+  TORCH_CHECK(state.numel() == d * value_channels && c.numel() == d && value_input.numel() == d,
+              "state / input sizes do not match h");
   TORCH_CHECK(gate_weight.numel() == d, "the gate must be a D -> 1 linear layer");
   TORCH_CHECK(!value_weight.has_value() || value_weight->numel() == d * value_channels,
               "the value projection must be a D -> d_v linear layer");
   TORCH_CHECK(beta_open.numel() == 1, "beta_open must be one number");
   const at::Tensor x = state.contiguous();  // also materialises the first layer's expand view (stride 0)
-  const auto cc = c.contiguous(), hc = h.contiguous(), gw = gate_weight.contiguous();
+  const auto cc = c.contiguous(), hc = h.contiguous(), gw = gate_weight.contiguous(), vi = value_input.contiguous();
   const c10::optional<at::Tensor> vw =
       value_weight.has_value() ? c10::optional<at::Tensor>(value_weight->contiguous()) : c10::nullopt;
   at::Tensor out = at::empty(state.sizes(), state.options());
@@ -120,12 +126,12 @@ py::object one_token_delta_update(const at::Tensor& state, const at::Tensor& c, 
   if (dtype == at::kFloat) {
     const double rho = std::min(std::max(static_cast<double>(*beta_open.data_ptr<float>()), 0.0), 1.0);
     update<float>(x, cc, hc, gw, gate_bias, vw, value_bias, rho, value_constant, eps, additive, erase,
-                  value_channels, out, beta);
+                  value_channels, vi, value_scale, out, beta);
     *beta_out.data_ptr<float>() = static_cast<float>(beta);
   } else {
     const double rho = std::min(std::max(*beta_open.data_ptr<double>(), 0.0), 1.0);
     update<double>(x, cc, hc, gw, gate_bias, vw, value_bias, rho, value_constant, eps, additive, erase,
-                   value_channels, out, beta);
+                   value_channels, vi, value_scale, out, beta);
     *beta_out.data_ptr<double>() = beta;
   }
   return py::make_tuple(out, beta_out);
