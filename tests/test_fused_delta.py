@@ -157,9 +157,9 @@ def test_beta_zero_model_equals_gpt2(d_v):
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
-def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32):
+def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32, **fields):
     torch.manual_seed(0)
-    module = DeltaResidual(delta_config(delta_mode=mode, delta_value_channels=d_v))
+    module = DeltaResidual(delta_config(delta_mode=mode, delta_value_channels=d_v, **fields))
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.3)
@@ -169,18 +169,22 @@ def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32):
     return module, state, normed, h
 
 
-@pytest.mark.parametrize(("d_v", "mode"), [(1, "additive"), (4, "paper")])  # compiling is slow: two cases
-def test_compiled_forward_matches_eager(d_v, mode):
-    module, state, normed, h = residual_and_inputs(d_v, mode)
-    eager_state, eager_beta = module(state, normed, h)
+@pytest.mark.parametrize(  # compiling is slow: three cases
+    ("d_v", "mode", "value"), [(1, "additive", "linear"), (4, "paper", "linear"), (4, "paper", "sigmoid")]
+)
+def test_compiled_forward_matches_eager(d_v, mode, value):
+    module, state, normed, h = residual_and_inputs(d_v, mode, delta_value=value)
+    read = (2 * normed.detach().flip(-1) + 1).requires_grad_()  # the un-normalised read ("sigmoid" reads it)
+    eager_state, eager_beta = module(state, normed, h, read=read)
     compiled = torch.compile(module, backend="inductor", fullgraph=True)
-    compiled_state, compiled_beta = compiled(state, normed, h)
+    compiled_state, compiled_beta = compiled(state, normed, h, read=read)
     torch.testing.assert_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled_beta, eager_beta, rtol=1e-5, atol=1e-6)
     # The compiled graph keeps the hand-written backward.
     grad_out = torch.randn_like(eager_state)
-    expected = torch.autograd.grad(eager_state, (state, normed, h), grad_out)
-    actual = torch.autograd.grad(compiled_state, (state, normed, h), grad_out)
+    inputs = (state, normed, h, read) if value == "sigmoid" else (state, normed, h)
+    expected = torch.autograd.grad(eager_state, inputs, grad_out)
+    actual = torch.autograd.grad(compiled_state, inputs, grad_out)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
