@@ -298,6 +298,14 @@ class DeltaResidual(nn.Module):
         else:
             self.v_proj = nn.Linear(hidden_size, value_channels)
 
+    def __getstate__(self) -> dict:
+        """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native kernel, a compiled extension function
+        that cannot be pickled: the copy decodes on the Python host path (the same tokens) until
+        `ddl_hf.native.enable_native_decoding` is called on it."""
+        state = super().__getstate__().copy()
+        state.pop("one_token_kernel", None)
+        return state
+
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         """`load_state_dict` (Trainer resume, peft adapters, DCP) of a checkpoint with the 0-dim `beta_open` of
         ddl-hf 0.1: the same number as `[1]`, and so is an optimizer state saved with it (`_reshape_0_dim_state`)."""
@@ -943,14 +951,14 @@ def _hidden_states_contract(forward):
         if want_expanded:
             kwargs["output_hidden_states"] = True
         outputs = forward(self, *args, return_dict=True, _hand_over_final_state=True, **kwargs)
-        (final_state,) = outputs.expanded_states  # the forward hands the last state over here
+        # The forward hands over the last state, and the read of every block's input state (`record_read`).
+        final_state, *reads = outputs.expanded_states
         states = outputs.hidden_states  # the expanded states, the last one tied to `last_hidden_state`
         fields = {key: value for key, value in outputs.items() if key not in ("hidden_states", "expanded_states")}
         if want_expanded:
             fields["expanded_states"] = (*states[:-1], final_state)
         if want_hidden and states is not None:
-            read = self.read_out.to(final_state.dtype)
-            fields["hidden_states"] = tuple(x @ read if x is not None and x.dim() == 4 else x for x in states)
+            fields["hidden_states"] = (*reads, states[-1])
         outputs = type(outputs)(**fields)
         return outputs if return_dict else outputs.to_tuple()
 
@@ -1144,6 +1152,23 @@ def resolve_delta_init(config: DeltaGPTConfig, loading: bool) -> None:
         config.delta_beta_init = 0.0 if config.delta_init == "exact" else 1.0
 
 
+class _ReadInGraph(torch.autograd.Function):
+    """The expanded state X unchanged, with its read h = X w made one of its parents, so that a `hidden_states` entry
+    is in the graph as GPT-2's are (`h.retain_grad()` works). The gradient reaching X passes on whole: its component
+    along u = w / |w|^2 goes through h (dL/dh holding X - h u^T fixed), the rest straight to X."""
+
+    @staticmethod
+    def forward(ctx, read: torch.Tensor, state: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u, w)
+        return state.view_as(state)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        u, w = ctx.saved_tensors
+        grad_read = grad @ u
+        return grad_read, grad - grad_read.unsqueeze(-1) * w, None, None
+
+
 class DeltaStateMixin:
     """The Delta steps around a stack of blocks, shared by every Delta base model (DeltaGPT, DeltaLlama).
 
@@ -1167,6 +1192,17 @@ class DeltaStateMixin:
         if self.value_channels > 1:
             return embeddings.unsqueeze(-1).expand(*embeddings.shape, self.value_channels)
         return embeddings
+
+    def record_read(self, state: torch.Tensor, reads: list[torch.Tensor]) -> torch.Tensor:
+        """Append to `reads` the `hidden_states` entry of an expanded state (its read with the final read vector) and
+        return the state, with that read in its graph when autograd is on (`_ReadInGraph`; same values)."""
+        w = self.read_out.detach().to(state.dtype)
+        read = state @ w
+        reads.append(read)
+        norm = w @ w
+        if not torch.is_grad_enabled() or not bool(norm > 0):
+            return state
+        return _ReadInGraph.apply(read, state, w / norm, w)
 
     def read_state_out(self, state: torch.Tensor, context: DeltaConvContext) -> torch.Tensor:
         """What the final norm receives: the last state read with `read_out` (after the TC read-out convolution)."""
@@ -1324,7 +1360,10 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
 
         hidden_states = self.expand_state(self.drop(hidden_states), delta_context)
 
+        reads = []  # d_v > 1 with hidden states: their entries, in the graph (`record_read`)
         for block in self.h:
+            if hand_over_final_state:
+                hidden_states = self.record_read(hidden_states, reads)
             hidden_states, *_ = block(
                 hidden_states,
                 cache if not checkpointing else None,
@@ -1342,8 +1381,8 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         return DeltaGPTModelOutput(
             last_hidden_state=hidden_states,
             **cache_argument(cache if use_cache else None),
-            # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
-            expanded_states=(final_state,) if hand_over_final_state else None,
+            # d_v > 1: the final expanded state and the reads, for `_hidden_states_contract`, which replaces them.
+            expanded_states=(final_state, *reads) if hand_over_final_state else None,
         )
 
     def _check_read_out_placement(self, inputs: torch.Tensor) -> None:

@@ -350,7 +350,10 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         hidden_states = self.expand_state(hidden_states, delta_context)
 
+        reads = []  # d_v > 1 with hidden states: their entries, in the graph (`record_read`)
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            if hand_over_final_state:
+                hidden_states = self.record_read(hidden_states, reads)
             hidden_states, *_ = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.layer_types[i]],
@@ -367,8 +370,8 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         return DeltaLlamaModelOutput(
             last_hidden_state=hidden_states,
             **cache_argument(cache if use_cache else None),
-            # d_v > 1: the final expanded state, handed to `_hidden_states_contract`, which always replaces it.
-            expanded_states=(final_state,) if hand_over_final_state else None,
+            # d_v > 1: the final expanded state and the reads, for `_hidden_states_contract`, which replaces them.
+            expanded_states=(final_state, *reads) if hand_over_final_state else None,
         )
 
 

@@ -56,7 +56,7 @@ SHAPES = {
     "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, batch=8, seq=256, memory_batch=8),
     # Training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
-    # Llama-family shapes (issue 15): transformers' LlamaForCausalLM against DeltaLlama over it; RoPE, RMSNorm,
+    # Llama-family shapes: transformers' LlamaForCausalLM against DeltaLlama over it; RoPE, RMSNorm,
     # SwiGLU and grouped-query attention (kv_heads). The second is SmolLM-135M's shape (30 narrow layers).
     "llama-small": dict(
         arch="llama",
@@ -86,7 +86,7 @@ SHAPES = {
 DELTA_VARIANTS = [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
 # Compiled rows (both models compiled): the goal is stated at d_v = 1; d_v = 4 paper for reference.
 COMPILED_VARIANTS = [(1, "additive"), (1, "paper"), (4, "paper")]
-# Issue 13's goals, DeltaGPT / GPT-2 of the same run: (shape, metric) -> {d_v: largest ratio}.
+# The decode-speed goals (docs/performance.md), DeltaGPT / GPT-2 of one run: (shape, metric) -> {d_v: largest ratio}.
 GOALS = {
     ("gpt2-small", "generation_b1"): {1: 1.03, 4: 1.10},
     ("gpt2-small", "train_step"): {1: 1.03, 4: 1.20},
@@ -423,7 +423,7 @@ def shape_label(r: dict) -> str:
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
-    """Issue 13's goals against this run's ratios: one line per (shape, metric, d_v), additive / paper."""
+    """The decode-speed goals against this run's ratios: one line per (shape, metric, d_v), additive / paper."""
     lines = ["| shape | metric | d_v | goal | additive | paper | met |", "|---|---|---|---|---|---|---|"]
     base = [r for r in rows if not r.get("variant") and not r.get("compiled")]
     compiled = [r for r in rows if r.get("compiled")]
@@ -528,7 +528,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r['shape']} | {cells[0]} | {cells[1]} |")
     goals = goal_lines(results["rows"])
     if goals:
-        lines += ["", "Goals (issue 13), this run's median ratios:", "", *goals]
+        lines += ["", "Goals (docs/performance.md), this run's median ratios:", "", *goals]
     return "\n".join(lines) + "\n"
 
 

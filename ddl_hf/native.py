@@ -12,6 +12,8 @@ the same math in one call. It is compiled on first use with `torch.utils.cpp_ext
 It runs exactly where the host path runs (one token at batch 1, CPU, float32/float64, no autograd, plain linear
 gate and value, not while compiling or tracing); everything else keeps the tensor path. Nothing else depends on it:
 the Hub model files import only torch and transformers, and a model without it gives the same tokens.
+`torch.save(model)` and `copy.deepcopy(model)` leave the kernel out (a compiled function cannot be pickled): the copy
+decodes on the Python host path until `enable_native_decoding` is called on it.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ DELTA_NET = dict(
     pad_token_id=None,
 )
 
-#: One tiny model per kind of code path a tool can trip on (issue 10): both modes at d_v 1 and 4, the DeltaNet mixer,
+#: One tiny model per kind of code path a tool can trip on: both modes at d_v 1 and 4, the DeltaNet mixer,
 #: and the paper's read / expand variants (TC at d_v 1, TC + EC and CC at d_v 4). Ids are the keys.
 CLIENT_VARIANTS: dict[str, dict[str, Any]] = {
     "additive-dv1": dict(),

@@ -6,10 +6,12 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "_common.py")
@@ -67,3 +69,16 @@ def test_write_results_is_scrubbed_atomic_and_has_provenance(tmp_path):
     assert prov["git"]["commit"] is None or prov["git"]["commit"] in md
     for text in (paths["json"].read_text(), md):
         assert str(ROOT) not in text and (HOME in ("", "/") or HOME + "/" not in text)
+
+
+def test_bench_overhead_pairs_share_every_baseline_weight_and_a_mismatch_is_refused():
+    """`build_pair` loads the baseline's weights into its Delta model non-strictly, then checks what was missing (only
+    Delta parameters may be) and unexpected (nothing may be)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_overhead import SHAPES, build_pair
+
+    base, delta = build_pair(SHAPES["tiny"], 4, "paper")
+    shared = dict(delta.named_parameters())
+    assert all(torch.equal(p, shared[name]) for name, p in base.named_parameters())
+    with pytest.raises(RuntimeError, match=r"baseline weights do not map onto the Delta model: missing=.*c_attn"):
+        build_pair(SHAPES["tiny"], 1, "additive", {"token_mixer": "delta_net"})

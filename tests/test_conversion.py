@@ -88,6 +88,35 @@ def test_trained_gpt2_converts_equivalently(value_channels):
     print(f"trained d_v={value_channels}: max|dlogit|={figures['max_diff']:.3e} ppl={figures['ppl']:.6g}")
 
 
+def test_the_equivalence_bound_follows_rounding_depth_and_width():
+    """4 eps sqrt(2 L D) max(1, |logit|): tight where a small model's exact conversion measures 0 (a defect of 1e-5
+    in its logits is refused), loose enough for sum-reordering kernels at gpt2-xl's depth, width and logit size."""
+    from ddl_hf.conversion import equivalence_tolerance
+
+    assert equivalence_tolerance(torch.float32, 2, 32) == pytest.approx(4 * 2**-23 * 128**0.5)
+    assert equivalence_tolerance(torch.float32, 2, 32) < 1e-5
+    xl = equivalence_tolerance(torch.float32, 48, 1600, logit_scale=100.0)
+    assert 1e-2 < xl < 0.05
+    assert equivalence_tolerance(torch.bfloat16, 2, 32) == pytest.approx(
+        2**16 * equivalence_tolerance(torch.float32, 2, 32)
+    )
+    source = trained_gpt2()
+    converted = ddl_hf.convert_gpt2(source)
+    report = ddl_hf.equivalence_report(source, converted, HELD_OUT)
+    assert report.max_abs_logit_diff == 0.0 and report.within_tolerance
+    depth, width = source.config.n_layer, source.config.n_embd
+    assert report.tolerance == equivalence_tolerance(torch.float32, depth, width, report_logit_scale(source))
+    with torch.no_grad():  # a defect of 1e-5: the logits move by about that much
+        converted.lm_head.weight.add_(1e-5 * torch.sign(converted.lm_head.weight))
+    defective = ddl_hf.equivalence_report(source, converted, HELD_OUT)
+    assert defective.tolerance < defective.max_abs_logit_diff < 1e-3 and not defective.within_tolerance
+
+
+def report_logit_scale(model) -> float:
+    with torch.no_grad():
+        return float(model(HELD_OUT).logits.abs().max())
+
+
 @pytest.mark.parametrize("read", ["temporal_conv", "channel_conv"])
 def test_conv_read_variants_convert_equivalently(read):
     """TC / CC reads start as identity convolutions when converted (delta_init resolves to "exact" when loading)."""

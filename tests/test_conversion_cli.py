@@ -704,3 +704,42 @@ def test_tokenizer_loads_without_trust_remote_code_and_without_prompt(converted_
     reference = AutoTokenizer.from_pretrained(converted_dir, trust_remote_code=True)
     assert done.stdout.strip() == str(reference("hello world")["input_ids"])
     assert "[y/N]" not in done.stdout + done.stderr and done.stderr.strip() == "", done.stderr
+
+
+def test_a_cli_run_reads_the_source_config_and_resolves_its_family_once(source_dir, tmp_path, monkeypatch):
+    """The source is resolved into one value (`ResolvedSource`) that the recorded command, loading and the model
+    card take: one read of its config (for a Hub id each read probes the network) and one family lookup."""
+    import ddl_hf.conversion.converting as converting
+    import ddl_hf.conversion.families as families
+    import ddl_hf.conversion.hub as hub
+    import ddl_hf.conversion.llama as llama
+
+    calls = {"read_source_config": 0, "conversion_path": 0}
+
+    def counted(function):
+        def wrapper(*args, **kwargs):
+            calls[function.__name__] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    for module in (converting, families, llama, hub):
+        for name in calls:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    assert run_convert("--source", str(source_dir), "--output", str(tmp_path / "out")) == 0
+    assert calls == {"read_source_config": 1, "conversion_path": 1}
+
+
+def test_the_trained_gpt2_fixture_trains_without_transformers_loss_type_warning():
+    """Training the shared fixture computes GPT2LMHeadModel's loss: it must not log transformers' `loss_type=None`
+    notice (which the control above shows does reach such a capture), and it ends as a Hub GPT-2 without a loss type."""
+    from gpt2_fixtures import train_gpt2
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()
+    with CaptureLogger(hf_logging.get_logger("transformers")) as training:
+        model = train_gpt2(steps=2)
+    assert "loss_type" not in training.out
+    assert model.loss_type is None and getattr(model.config, "loss_type", None) is None

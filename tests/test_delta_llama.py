@@ -1,4 +1,4 @@
-"""DeltaLlama (issue 15): Delta residuals in Llama-family decoders, checked against transformers' own
+"""DeltaLlama: Delta residuals in Llama-family decoders, checked against transformers' own
 `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` of tiny random configs."""
 
 from __future__ import annotations

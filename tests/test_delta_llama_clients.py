@@ -1,4 +1,4 @@
-"""DeltaLlama under the tools the GPT-2 path supports (issue 15): peft's default LoRA targets, `DeltaTrainer` with
+"""DeltaLlama under the tools the GPT-2 path supports: peft's default LoRA targets, `DeltaTrainer` with
 `DeltaStatsCallback`, `ddl-hf inspect`, `pipeline("text-generation")` and gradient checkpointing.
 
 Tiny models of each family (2 layers, hidden 32) with a vocabulary of 257: the byte-level GPT-2 tokenizer of

@@ -1,4 +1,4 @@
-"""DeltaNet under the tools people plug it into (issue 10, items 3-5): bf16 autocast, packed rows, export.
+"""DeltaNet under the tools people plug it into: bf16 autocast, packed rows, export.
 
 Every check compares against an independent reference: the recurrent loop, each document run alone, the float32
 model, the eager model.
@@ -183,7 +183,7 @@ def test_packed_row_equals_each_document_alone(mixer, overrides, kwargs):
 
 @pytest.mark.xfail(strict=True, reason="transformers: no packed-sequence mask once use_cache=True made a cache")
 def test_attention_mixer_packed_row_with_the_default_use_cache():
-    """Reported, not fixed (issue 10): GPT2LMHeadModel of transformers 5.23 behaves the same."""
+    """Reported, not fixed: GPT2LMHeadModel of transformers 5.23 behaves the same."""
     model = tiny_model(token_mixer="attention")
     docs, ids, position_ids, _ = packed_row()
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The decode-speed shortcuts (issue 13) against the plain reference: same numbers, same behaviour, no graph breaks.
+"""The decode-speed shortcuts against the plain reference: same numbers, same behaviour, no graph breaks.
 
 Each shortcut must be invisible: `delta_gate` and `constant` give the bits of the expressions they replace, the
 no-grad path gives the bits of the autograd path, `_linear` is skipped whenever calling the module could differ

@@ -1,4 +1,4 @@
-"""What a DeltaGPT declares to transformers' generic code, and what `generate` then does (issue 10, item 7b).
+"""What a DeltaGPT declares to transformers' generic code, and what `generate` then does.
 
 A `token_mixer="delta_net"` model is recurrent: its fixed-size state cannot be rolled back, so everything that crops
 the cache (assisted / speculative decoding, prompt lookup, being a draft model) is refused up front with a clear

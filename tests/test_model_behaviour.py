@@ -191,6 +191,39 @@ def test_expanded_states_are_an_opt_in_output_and_hidden_states_their_reads() ->
     assert len(as_tuple) == 3 and len(as_tuple[2]) == n_layer + 1  # logits, cache, expanded states
 
 
+@pytest.mark.parametrize("model_kind", ["gpt", "llama"])
+def test_expanded_hidden_states_retain_a_gradient_that_is_the_states_along_the_read(model_kind) -> None:
+    """transformers' `test_retain_grad_hidden_states_attentions`: every `hidden_states` entry is in the graph, as
+    GPT-2's are. Its gradient is dL/dX u with u = w / |w|^2 (the read holding the rest of X fixed), and asking for
+    hidden states changes no parameter's gradient beyond float rounding."""
+    if model_kind == "gpt":
+        model = delta_model(delta_value_channels=3, delta_mode="paper")
+    else:
+        from test_delta_llama import build_source
+
+        model = ddl_hf.convert_llama(build_source("qwen3", vocab_size=VOCAB), delta_value_channels=3)
+    open_gates(model)
+    model.train()
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    out = model(ids, output_hidden_states=True, output_expanded_states=True)
+    for hidden in out.hidden_states:
+        hidden.retain_grad()
+    for state in out.expanded_states:
+        state.retain_grad()
+    out.logits.sum().backward()
+    read = model.base_model.read_out.detach()
+    u = read / (read @ read)
+    assert all(h.grad is not None for h in out.hidden_states)
+    for hidden, state in zip(out.hidden_states[:-1], out.expanded_states[:-1]):
+        torch.testing.assert_close(hidden.grad, state.grad @ u, rtol=1e-5, atol=1e-7)
+    with_hidden = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(ids).logits.sum().backward()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(with_hidden[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_generate_with_hidden_states_and_assisted_decoding_for_expanded_states() -> None:
     model = delta_model(delta_value_channels=4)
     open_gates(model)

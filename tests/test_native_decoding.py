@@ -1,4 +1,4 @@
-"""The optional native decoding kernel (`ddl_hf.native`, issue 13) against the float64 reference and the plain path.
+"""The optional native decoding kernel (`ddl_hf.native`) against the float64 reference and the plain path.
 
 The kernel is the one-token host path in one C++ call, so it is held to the host path's contract: the float64
 `delta_update` reference with beta and v computed independently here, GPT-2's bits at beta = 0, the same tokens and
@@ -212,3 +212,24 @@ def test_the_kernel_declines_what_the_host_path_declines_and_refuses_malformed_i
             update(state=state[..., :-1])
         with pytest.raises(RuntimeError, match="D -> 1 linear layer"):
             update(gate_weight=gate.weight[:, :-1])
+
+
+def test_a_model_with_the_kernel_enabled_pickles_without_it_and_decodes_the_same_tokens(kernel, tmp_path):
+    """`torch.save(model)` / `copy.deepcopy`: the compiled kernel cannot be pickled, so the copy leaves it out and
+    decodes on the Python host path, to the same tokens, until `enable_native_decoding` is called on it again."""
+    import copy
+
+    model = delta_model(delta_value_channels=4, delta_mode="paper")
+    open_gates(model)
+    enable_native_decoding(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    copied = copy.deepcopy(model)
+    residuals = [m for m in loaded.modules() if isinstance(m, DeltaResidual)]
+    assert residuals and all(m.one_token_kernel is None for m in residuals)
+    assert all(m.one_token_kernel is None for m in copied.modules() if isinstance(m, DeltaResidual))
+    assert all(m.one_token_kernel is kernel for m in model.modules() if isinstance(m, DeltaResidual))
+    prompt = torch.tensor([[5, 9, 2]])
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+    assert torch.equal(enable_native_decoding(copied).generate(prompt, max_new_tokens=6, do_sample=False), expected)

@@ -1,4 +1,4 @@
-"""accelerate big-model offload (issue 10, item 2): a checkpoint loaded with parts of it on "disk" computes what the
+"""accelerate big-model offload: a checkpoint loaded with parts of it on "disk" computes what the
 in-memory model computes, for every kind of variant.
 
 accelerate keeps an offloaded weight on the meta device and loads it only around the forward of the module that

@@ -1,4 +1,4 @@
-"""trl's SFTTrainer (packed and not) and DPOTrainer on tiny DeltaGPTs, both token mixers (issue 10).
+"""trl's SFTTrainer (packed and not) and DPOTrainer on tiny DeltaGPTs, both token mixers.
 
 References: SFT with `packing=True` (padding-free rows, `position_ids` restarting at 0 and `cu_seq_lens`) must train
 exactly like SFT on the same documents padded in a batch (each document alone); DPO's sequence log-probabilities

@@ -22,12 +22,11 @@ from .errors import ConversionError
 from .exporting import beta_upper_bounds, export_to_gpt2
 from .hub import DEFAULT_MAX_SHARD_SIZE, convert_checkpoint, model_card, push_converted_to_hub
 from .llama import convert_llama, export_to_llama, load_llama_family
-from .verifying import EQUIVALENCE_TOLERANCE, SAMPLE_TEXT, EquivalenceReport, equivalence_report, sample_input_ids
+from .verifying import SAMPLE_TEXT, EquivalenceReport, equivalence_report, equivalence_tolerance, sample_input_ids
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "DTYPES",
-    "EQUIVALENCE_TOLERANCE",
     "SAMPLE_TEXT",
     "ConversionError",
     "EquivalenceReport",
@@ -38,6 +37,7 @@ __all__ = [
     "convert_gpt2",
     "convert_llama",
     "equivalence_report",
+    "equivalence_tolerance",
     "export_to_gpt2",
     "export_to_llama",
     "load_gpt2",

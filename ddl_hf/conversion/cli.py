@@ -16,9 +16,9 @@ from pathlib import Path
 from ddl_hf_cli import add_convert_subcommand
 
 from ..configuration_delta_gpt import DELTA_EMBED_EXPANDS, DELTA_GATES, DELTA_STATE_READS, DELTA_VALUES
-from .converting import looks_like_path, read_source_config
+from .converting import looks_like_path
 from .errors import ConversionError
-from .families import conversion_path, source_model_type
+from .families import ResolvedSource, resolve_source, source_model_type
 from .hub import convert_checkpoint, push_converted_to_hub
 
 
@@ -33,7 +33,8 @@ def run_cli(args: argparse.Namespace) -> int:
     `kill PID` is handled like Ctrl-C (`convert_checkpoint` turns SIGTERM into KeyboardInterrupt while it writes).
     """
     try:
-        command = recorded_command(args)
+        source = resolve_source(args.source)  # the one read of the source's config in this run
+        command = recorded_command(args, source)
     except ConversionError as error:  # the source's config cannot be read, or is of no family that converts
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -45,7 +46,7 @@ def run_cli(args: argparse.Namespace) -> int:
         )
     try:
         report = convert_checkpoint(
-            args.source,
+            source,
             args.output,
             delta_mode=args.delta_mode,
             value_channels=args.value_channels,
@@ -99,15 +100,14 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def recorded_command(args: argparse.Namespace) -> str:
+def recorded_command(args: argparse.Namespace, source: ResolvedSource | None = None) -> str:
     """The command the model card shows: `convert-gpt2-to-delta-gpt` for a GPT-2 source, `ddl-hf convert` for a
     Llama-family one, with the flags that differ from their defaults and no machine paths.
 
-    Reads the source's config (the same reader as the conversion, so the same errors) to name its family.
+    `source` is the run's resolved source (read here from `args.source` if not given: the same reader as the
+    conversion, so the same errors, and a family that does not convert is refused before any output).
     """
-    config = read_source_config(args.source, "GPT-2 or Llama-family")
-    conversion_path(config, repr(args.source))  # refuses a family that does not convert, before any output
-    family = source_model_type(config)
+    family = source_model_type((source or resolve_source(args.source)).config)
     program = "convert-gpt2-to-delta-gpt" if family == "gpt2" else "ddl-hf convert"
     source_shown = f"path/to/{family}" if looks_like_path(args.source) else args.source  # no machine paths
     return (

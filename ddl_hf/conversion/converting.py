@@ -218,14 +218,16 @@ def read_source_config(source: str | os.PathLike, kind: str = "GPT-2") -> PreTra
         ) from error
 
 
-def load_gpt2(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> GPT2LMHeadModel:
+def load_gpt2(
+    source: str | os.PathLike, dtype: str | torch.dtype | None = "auto", config: PreTrainedConfig | None = None
+) -> GPT2LMHeadModel:
     """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
 
     `from_pretrained` on its own would silently initialise missing weights and drop unexpected ones; a conversion
     that claims equivalence must instead refuse and list them.
     """
     name = os.fspath(source)
-    config = read_source_config(name, "GPT-2")
+    config = read_source_config(name, "GPT-2") if config is None else config  # given: read once by the caller
     _check_gpt2_config(config, repr(name))
     hub = hub_kwargs(name)
     try:

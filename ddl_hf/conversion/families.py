@@ -7,6 +7,7 @@ things. Everything else in the job (atomic writing, tokenizer, verification, car
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from ..configuration_delta_gpt import DeltaGPTConfig
 from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from ..modeling_delta_gpt import DeltaGPTForCausalLM
 from ..modeling_delta_llama import DeltaLlamaForCausalLM
-from .converting import _check_gpt2_config, _convert, load_gpt2
+from .converting import _check_gpt2_config, _convert, load_gpt2, read_source_config
 from .errors import ConversionError
 from .llama import _check_family_config, _convert_llama, load_llama_family
 
@@ -32,7 +33,7 @@ class ConversionPath:
     delta_name: str  # "DeltaGPT"
     delta_model_type: str  # "delta_gpt"
     delta_class: type[PreTrainedModel]  # reloads the written files
-    load: Callable  # (Hub id or directory, dtype) -> the checked source causal LM
+    load: Callable  # (Hub id or directory, dtype, its config) -> the checked source causal LM
     check: Callable  # (config, name shown in messages) -> None, or ConversionError naming the fix
     convert: Callable  # (source causal LM, config overrides, share_weights) -> the Delta causal LM
     export: str  # the function of `ddl_hf` that goes back while every gate is closed
@@ -81,6 +82,36 @@ def conversion_path(config: PreTrainedConfig, source_name: str) -> ConversionPat
     return PATHS[model_type]
 
 
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A conversion source resolved once per run: what the rest of the run (the recorded command, loading, the
+    model card) takes instead of reading the source's config again, which for a Hub id includes a connectivity
+    probe each time."""
+
+    source: str | os.PathLike | PreTrainedModel  # a Hub id or directory, or an in-memory causal LM
+    name: str | None  # the Hub id or directory, None for an in-memory model
+    config: PreTrainedConfig
+    path: ConversionPath
+
+
+def resolve_source(source: str | os.PathLike | PreTrainedModel | ResolvedSource) -> ResolvedSource:
+    """Read the source's config (once) and find its conversion path, or a ConversionError naming the problem."""
+    if isinstance(source, ResolvedSource):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+        config = read_source_config(name, "GPT-2 or Llama-family")
+        return ResolvedSource(source, name, config, conversion_path(config, repr(name)))
+    if isinstance(getattr(source, "config", None), PreTrainedConfig):
+        return ResolvedSource(
+            source, None, source.config, conversion_path(source.config, f"The {type(source).__name__} passed in")
+        )
+    raise ConversionError(
+        f"source must be a Hub id, a directory or a causal LM of a supported family (GPT2LMHeadModel, "
+        f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), not a {type(source).__name__}."
+    )
+
+
 def source_model_type(config: PreTrainedConfig) -> str:
     """The source family's model_type of a source config ("qwen2") or of a Delta config converted from one."""
     model_type = getattr(config, "model_type", None)
@@ -105,8 +136,10 @@ def source_class_name(config: PreTrainedConfig) -> str:
 __all__ = [
     "FAMILY_NAMES",
     "ConversionPath",
+    "ResolvedSource",
     "conversion_path",
     "family_name",
+    "resolve_source",
     "source_class_name",
     "source_model_type",
 ]

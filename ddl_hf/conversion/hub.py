@@ -21,10 +21,18 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrained
 from transformers.utils import logging as hf_logging
 
 from .atomic import atomic_directory
-from .converting import _quiet_transformers, _resolve_dtype, hub_kwargs, looks_like_path, read_source_config
+from .converting import _quiet_transformers, _resolve_dtype, hub_kwargs, looks_like_path
 from .errors import ConversionError
-from .families import conversion_path, family_name, source_class_name, source_model_type
-from .verifying import EQUIVALENCE_TOLERANCE, EquivalenceReport, equivalence_report, sample_input_ids
+from .families import (
+    ConversionPath,
+    ResolvedSource,
+    conversion_path,
+    family_name,
+    resolve_source,
+    source_class_name,
+    source_model_type,
+)
+from .verifying import EquivalenceReport, equivalence_report, sample_input_ids
 
 logger = hf_logging.get_logger(__name__)
 
@@ -42,6 +50,7 @@ def model_card(
     config: PreTrainedConfig,
     command: str | None = None,
     load_id: str = LOCAL_LOAD_ID,
+    path: ConversionPath | None = None,
 ) -> ModelCard:
     """A model card (README.md) saying what the model is, how it was made, how it checks out, and how to load it.
 
@@ -49,7 +58,7 @@ def model_card(
     `base_model` must be a Hub id or None (the card is published: a local path means nothing to its readers);
     `load_id` is the Hub id shown in the loading examples, a neutral placeholder when it is not pushed.
     """
-    path = conversion_path(config, "The converted model")
+    path = path or conversion_path(config, "The converted model")  # given by a conversion, which resolved it
     family, family_type = family_name(config), source_model_type(config)
     card_data = ModelCardData(
         library_name="transformers",
@@ -161,7 +170,7 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def convert_checkpoint(
-    source: str | os.PathLike | PreTrainedModel,
+    source: str | os.PathLike | PreTrainedModel | ResolvedSource,
     output: str | os.PathLike,
     *,
     delta_mode: str = "additive",
@@ -190,18 +199,9 @@ def convert_checkpoint(
     `hub_repo_id` (where the output will be pushed, if known) is used in the model card's loading examples.
     """
     output = Path(output).absolute()
-    source_name = source if isinstance(source, (str, os.PathLike)) else None
-    if source_name is not None:
-        path = conversion_path(read_source_config(source_name, "GPT-2 or Llama-family"), repr(os.fspath(source_name)))
-    elif isinstance(getattr(source, "config", None), PreTrainedConfig):
-        path = conversion_path(source.config, f"The {type(source).__name__} passed in")
-    else:
-        raise ConversionError(
-            f"source must be a Hub id, a directory or a causal LM of a supported family (GPT2LMHeadModel, "
-            f"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), not a {type(source).__name__}."
-        )
+    resolved = resolve_source(source)  # the config is read here once (or given already resolved)
     if base_model is None:  # only a Hub id belongs in a published card; a local path is dropped
-        name = os.fspath(source_name) if source_name is not None else getattr(source.config, "_name_or_path", "")
+        name = resolved.name if resolved.name is not None else getattr(resolved.config, "_name_or_path", "")
         base_model = name if name and not looks_like_path(name) else None
     overrides = dict(
         config_overrides, delta_mode=delta_mode, delta_value_channels=value_channels, delta_beta_init=beta_init
@@ -211,9 +211,7 @@ def convert_checkpoint(
     with _progress_bars(progress), atomic_directory(output, force=force) as tmp:
         bar = tqdm(total=6, desc="convert", unit="step", disable=not progress, file=sys.stderr)
         with contextlib.closing(bar) as stages:
-            report = _write_verified(
-                path, source, source_name, tmp, output, dtype, overrides, max_shard_size, tokenizer, card, stages
-            )
+            report = _write_verified(resolved, tmp, output, dtype, overrides, max_shard_size, tokenizer, card, stages)
             stages.update()
             stages.set_postfix_str("done")
     logger.info(f"Wrote the converted model to {output}.")
@@ -221,16 +219,17 @@ def convert_checkpoint(
 
 
 def _write_verified(
-    path, source, source_name, tmp: Path, output: Path, dtype, overrides, max_shard_size, tokenizer, card: dict, stages
+    resolved: ResolvedSource, tmp: Path, output: Path, dtype, overrides, max_shard_size, tokenizer, card: dict, stages
 ) -> EquivalenceReport:
-    """Load and convert `source` along `path`, write every file into `tmp`, reload and verify them; return the
+    """Load and convert the source along its path, write every file into `tmp`, reload and verify them; return the
     report."""
+    path, source = resolved.path, resolved.source
     torch_dtype = _resolve_dtype(dtype)
     stages.set_postfix_str("loading source")
-    if source_name is not None:
-        model_in = path.load(source_name, torch_dtype)
+    if resolved.name is not None:
+        model_in = path.load(resolved.name, torch_dtype, resolved.config)
         if tokenizer is None:
-            tokenizer = _load_tokenizer(source_name)  # from_pretrained already read generation_config.json
+            tokenizer = _load_tokenizer(resolved.name)  # from_pretrained already read generation_config.json
     else:
         model_in = source if torch_dtype == "auto" else copy.deepcopy(source).to(torch_dtype)
         model_in.eval()
@@ -255,17 +254,16 @@ def _write_verified(
         reloaded = path.delta_class.from_pretrained(tmp, dtype=model_in.dtype).eval()
     input_ids, text = sample_input_ids(tokenizer, model_in.config)
     report = equivalence_report(model_in, reloaded, input_ids, eval_text=text)
-    tolerance = EQUIVALENCE_TOLERANCE.get(model_in.dtype, 1e-4)
-    if report.expected_equivalent and not (report.max_abs_logit_diff <= tolerance and report.greedy_identical):
+    if report.expected_equivalent and not report.within_tolerance:
         raise ConversionError(
             f"Verification failed: the converted model is not equivalent to the source "
-            f"(max |logit difference| {report.max_abs_logit_diff:.3e} > {tolerance:g} or greedy continuation "
+            f"(max |logit difference| {report.max_abs_logit_diff:.3e} > {report.tolerance:.1e} or greedy continuation "
             f"differs). Nothing was written to {output}. Please report this with the source you used.\n{report}"
         )
     stages.update()
 
     stages.set_postfix_str("model card")
-    model_card(report=report, config=reloaded.config, **card).save(tmp / "README.md")
+    model_card(report=report, config=reloaded.config, path=path, **card).save(tmp / "README.md")
     return report
 
 

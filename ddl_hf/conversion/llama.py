@@ -78,11 +78,13 @@ def _delta_llama_config(source_config: PreTrainedConfig, overrides: dict) -> Del
     return config
 
 
-def load_llama_family(source: str | os.PathLike, dtype: str | torch.dtype | None = "auto") -> PreTrainedModel:
+def load_llama_family(
+    source: str | os.PathLike, dtype: str | torch.dtype | None = "auto", config: PreTrainedConfig | None = None
+) -> PreTrainedModel:
     """Load a Llama / Mistral / Qwen2 / Qwen3 causal LM from a Hub id or directory, refusing anything else and any
     checkpoint whose weights do not match its config exactly (missing, unexpected or misshaped weights)."""
     name = os.fspath(source)
-    config = read_source_config(name, "Llama-family")
+    config = read_source_config(name, "Llama-family") if config is None else config  # given: read by the caller
     _check_family_config(config, repr(name))
     hub = hub_kwargs(name)
     try:
