@@ -318,6 +318,68 @@ def temporal_conv(
     return out
 
 
+def _taps(x: torch.Tensor, past: torch.Tensor | None, size: int):
+    """Tap j of a causal window of `size` over x `[B, T, ...]`, as (j, output rows, input, input rows of x or None):
+    tap j of output t reads token t - lag, lag = size - 1 - j; inputs before x come from `past` `[B, size - 1, ...]`
+    (None: zeros, which contribute nothing and are skipped). Views only: nothing is copied."""
+    steps = x.shape[1]
+    for j in range(size):
+        lag = size - 1 - j
+        if lag < steps:
+            yield j, slice(lag, steps), x[:, : steps - lag], slice(0, steps - lag)
+        if past is not None and lag > 0:
+            n = min(lag, steps)
+            yield j, slice(0, n), past[:, size - 1 - lag : size - 1 - lag + n], None
+
+
+class _TemporalConvRead(torch.autograd.Function):
+    """`temporal_conv(cat([past, x]), weight).sum(-1)` with neither the padded history nor the `[B, T, D, d_v]`
+    convolution output made: each tap reduces over the value channels as it goes, and the backward saves only x
+    (which the Delta update keeps anyway). `past` is a cached window: no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, past, same_document):
+        w = weight.to(x.dtype)
+        out = x.new_zeros(x.shape[:-1])
+        for j, rows, source, _ in _taps(x, past, w.shape[-1]):
+            term = (source * w[..., j]).sum(-1)
+            if same_document is not None:
+                term = term * same_document[:, rows, j, None].to(term.dtype)
+            out[:, rows] += term
+        ctx.save_for_backward(x, w, past, same_document)
+        ctx.weight_dtype = weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w, past, same_document = ctx.saved_tensors
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        for j, rows, source, x_rows in _taps(x, past, w.shape[-1]):
+            g = grad_out[:, rows]
+            if same_document is not None:
+                g = g * same_document[:, rows, j, None].to(g.dtype)
+            if grad_x is not None and x_rows is not None:
+                grad_x[:, x_rows] += g.unsqueeze(-1) * w[..., j]
+            if grad_w is not None:
+                grad_w[..., j] += (g.unsqueeze(-1) * source).sum((0, 1))
+        return grad_x, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None
+
+
+def temporal_conv_read(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    past: torch.Tensor | None = None,
+    same_document: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The TC read in one pass: `temporal_conv(cat([past or zeros, x], 1), weight, same_document).sum(-1)`.
+
+    x `[B, T, D, d_v]`, weight `[D, d_v, K]` (the kernels already scaled by the read vector), past `[B, K - 1, D,
+    d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The readable
+    definition is the expression above (tests compare them, values and gradients, in float64)."""
+    return _TemporalConvRead.apply(x, weight, past, same_document)
+
+
 def same_document_taps(document_starts: torch.Tensor, size: int) -> torch.Tensor:
     """`[B, T, K]` bool for `temporal_conv`: tap j of token t (which reads token t - K + 1 + j) stays in t's
     document. `document_starts` `[B, T]` is True where a packed row starts a new document."""

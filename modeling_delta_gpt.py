@@ -76,6 +76,7 @@ from .delta_ops import (
     sigmoid,
     straight_through_clamp,
     temporal_conv,
+    temporal_conv_read,
     unit_direction,
 )
 
@@ -104,6 +105,22 @@ class DeltaConvContext:
         return temporal_conv(
             self.history(x, key, size), weight, None if starts is None else same_document_taps(starts, size)
         )
+
+    def convolve_read(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
+        """`convolve(x, key, weight).sum(-1)` as one pass (`temporal_conv_read`): neither the zero-padded history nor
+        the `[B, T, D, d_v]` convolution is made, except the history that a cache keeps as the window."""
+        size = weight.shape[-1]
+        if self.token_mask is not None:
+            mask = self.token_mask[:, -x.shape[1] :].to(x.dtype)
+            x = x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
+        past = None
+        if self.cache is not None:
+            window = self.cache.delta_window(key)
+            past = None if window is None else window[:, window.shape[1] - (size - 1) :].to(x.dtype)
+            zeros = x.new_zeros(x.shape[0], size - 1, *x.shape[2:]) if past is None else past
+            self.cache.set_delta_window(key, torch.cat([zeros, x], dim=1).detach())
+        starts = self.document_starts
+        return temporal_conv_read(x, weight, past, None if starts is None else same_document_taps(starts, size))
 
     def history(self, x: torch.Tensor, key: str, size: int) -> torch.Tensor:
         """`[B, size - 1 + T, ...]`: the previous `size - 1` inputs at `key` (cached, or zeros), then x."""
@@ -161,8 +178,8 @@ class DeltaStateConv(nn.Module):
         if read is None or state.dim() != 4:
             weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
             return (context or DeltaConvContext()).convolve(state, key, weight)
-        # TC: the read vector scales the kernels (W r), so the [.., D, d_v] conv output need not be kept for backward.
-        return (context or DeltaConvContext()).convolve(state, key, self.weight * read[:, None]).sum(-1)
+        # TC: the read vector scales the kernels (W r), and one pass reads the state (`temporal_conv_read`).
+        return (context or DeltaConvContext()).convolve_read(state, key, self.weight * read[:, None])
 
 
 class DeltaEmbedExpand(nn.Module):

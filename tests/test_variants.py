@@ -9,8 +9,14 @@ from builders import VOCAB, delta_model, open_gates
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_of
-from ddl_hf.delta_ops import channel_conv, channel_conv_read_weight, temporal_conv
-from ddl_hf.modeling_delta_gpt import DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
+from ddl_hf.delta_ops import (
+    channel_conv,
+    channel_conv_read_weight,
+    same_document_taps,
+    temporal_conv,
+    temporal_conv_read,
+)
+from ddl_hf.modeling_delta_gpt import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,6 +52,57 @@ def test_temporal_conv_matches_a_plain_loop() -> None:
         for j in range(size):  # tap j reads the input j - (size - 1) tokens from the current one
             expected[:, t] += weight[..., j] * history[:, t + j]
     torch.testing.assert_close(temporal_conv(history, weight), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 6])
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "cache"])
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+def test_the_one_pass_tc_read_is_the_convolution_summed_over_channels(steps, cached, packed) -> None:
+    """`temporal_conv_read` against its definition, `temporal_conv(cat([past or zeros, x]), w).sum(-1)`, in float64:
+    values, and gradients of x and of the kernels (`gradcheck` of its own backward), with a cached window or none,
+    in one document or packed rows."""
+    g = torch.Generator().manual_seed(steps * 4 + 2 * cached + packed)
+    x = torch.randn(2, steps, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    past = torch.randn(2, 3, 5, 3, generator=g, dtype=torch.float64) if cached else None
+    taps = same_document_taps(torch.rand(2, steps, generator=g) < 0.4, 4) if packed else None
+    history = torch.cat([past if cached else x.new_zeros(2, 3, 5, 3), x], dim=1)
+    expected = temporal_conv(history, weight, taps).sum(-1)
+    torch.testing.assert_close(temporal_conv_read(x, weight, past, taps), expected, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, w: temporal_conv_read(a, w, past, taps), (x, weight))
+    grads = torch.autograd.grad(temporal_conv_read(x, weight, past, taps).sum(), (x, weight))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (x, weight))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_state_grads() -> None:
+    """A TC model's logits and gradients with the one-pass read equal those of the convolution-then-sum definition
+    (swapped in), in float32 and under bf16 autocast."""
+    model = variant_model(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper")
+    model.train()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding: padded positions enter the window as zeros
+
+    def run(autocast: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for autocast in (False, True):
+        fused = run(autocast)
+        original = DeltaConvContext.convolve_read
+        try:
+            DeltaConvContext.convolve_read = lambda self, x, key, w: self.convolve(x, key, w).sum(-1)
+            plain = run(autocast)
+        finally:
+            DeltaConvContext.convolve_read = original
+        tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused[0], plain[0], **tolerance)
+        for name, grad in plain[1].items():
+            torch.testing.assert_close(fused[1][name], grad, **tolerance, msg=name)
 
 
 @pytest.mark.parametrize(("channels", "size"), [(4, 4), (4, 3), (5, 2), (3, 1)])
