@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import TINY
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import ddl_hf
 
 FIXTURES = Path(__file__).parent / "data" / "ddl_hf_0_1"
+sys.path.insert(0, str(FIXTURES))
+from legacy_run import TINY, restore_pickles, training_arguments, training_data  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 HUB_FILES = {
     "delta_gpt": ("configuration_delta_gpt.py", "modeling_delta_gpt.py", "delta_ops.py", "delta_compat.py"),
@@ -112,26 +114,14 @@ def test_resuming_a_0_1_trainer_checkpoint_ends_where_0_1_ended(tmp_path, callba
     `beta_open`), it reaches the parameters the 0.1 run reached after 4: bit for bit with its fused AdamW; with the
     single-tensor AdamW, which broadcasts the `[1]` gradient into a 0-dim state and fails unless the state is
     reshaped, to 1e-4 (measured 1.5e-5; a lost optimizer state would move them by about the learning rate, 1e-2)."""
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     shutil.copytree(FIXTURES / "trainer_checkpoint", tmp_path / "checkpoint-2")
+    restore_pickles(tmp_path / "checkpoint-2")  # Trainer's optimizer, scheduler and RNG files, from safetensors + JSON
     expected = load_file(tmp_path / "checkpoint-2" / "expected_after_4_steps.safetensors")
     torch.manual_seed(0)
     model = ddl_hf.DeltaGPTForCausalLM(ddl_hf.DeltaGPTConfig(**TINY, delta_init="exact"))
-    data = torch.randint(1, 97, (16, 12), generator=torch.Generator().manual_seed(4))
-    dataset = Dataset.from_dict({"input_ids": data.tolist(), "labels": data.tolist()})
-    args = TrainingArguments(
-        tmp_path,
-        max_steps=4,
-        save_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        seed=0,
-        report_to=[],
-        use_cpu=True,
-    )
+    args, dataset = training_arguments(tmp_path), training_data()
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=tmp_path / "checkpoint-2")
     assert all(group["fused"] is not bool(callbacks) for group in trainer.optimizer.param_groups)
