@@ -110,23 +110,24 @@ class DeltaConvContext:
         """`convolve(x, key, weight).sum(-1)` as one pass (`temporal_conv_read`): neither the zero-padded history nor
         the `[B, T, D, d_v]` convolution is made, except the history that a cache keeps as the window."""
         size = weight.shape[-1]
-        if self.token_mask is not None:
-            mask = self.token_mask[:, -x.shape[1] :].to(x.dtype)
-            x = x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
-        past = None
-        if self.cache is not None:
-            window = self.cache.delta_window(key)
-            past = None if window is None else window[:, window.shape[1] - (size - 1) :].to(x.dtype)
-            zeros = x.new_zeros(x.shape[0], size - 1, *x.shape[2:]) if past is None else past
-            self.cache.set_delta_window(key, torch.cat([zeros, x], dim=1).detach())
+        if self.cache is None:
+            x, past = self.masked(x), None
+        else:  # the window the cache keeps is the history: its first size - 1 rows are the past
+            history = self.history(x, key, size)
+            x, past = history[:, size - 1 :], history[:, : size - 1]
         starts = self.document_starts
         return temporal_conv_read(x, weight, past, None if starts is None else same_document_taps(starts, size))
 
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, ...]` with padded positions zeroed (as the zeros before the start of a sequence)."""
+        if self.token_mask is None:
+            return x
+        mask = self.token_mask[:, -x.shape[1] :].to(x.dtype)
+        return x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
+
     def history(self, x: torch.Tensor, key: str, size: int) -> torch.Tensor:
         """`[B, size - 1 + T, ...]`: the previous `size - 1` inputs at `key` (cached, or zeros), then x."""
-        if self.token_mask is not None:
-            mask = self.token_mask[:, -x.shape[1] :].to(x.dtype)
-            x = x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
+        x = self.masked(x)
         past = self.cache.delta_window(key) if self.cache is not None else None
         if past is None:
             past = x.new_zeros(x.shape[0], size - 1, *x.shape[2:])
@@ -1090,6 +1091,8 @@ class DeltaGPTPreTrainedModel(PreTrainedModel):
                 init_delta_residual_as_reference(module, float(self.config.delta_beta_init))
             else:
                 init_delta_residual_exactly(module, float(self.config.delta_beta_init), std)
+            if "read_weights" in module._parameters:  # both schemes; none where the block's read is shared
+                init.constant_(module.read_weights, 1.0 / module.value_channels)
         if isinstance(module, DeltaStateConv):
             # exact: the identity (a converted model computes GPT-2); reference: an average over the K taps.
             if self.config.delta_init == "exact":
@@ -1121,8 +1124,6 @@ def init_delta_residual_exactly(module: DeltaResidual, beta0: float, std: float)
     if module.v_proj is not None:
         init.normal_(module.v_proj.weight, mean=0.0, std=std)
         init.zeros_(module.v_proj.bias)
-    if "read_weights" in module._parameters:  # not on a residual that shares its block's read
-        init.constant_(module.read_weights, 1.0 / module.value_channels)
 
 
 # The authors' initialisation at commit d1f7621 of github.com/yifanzhang-pro/deep-delta-learning
@@ -1140,7 +1141,8 @@ def spectral_std(fan_in: int, fan_out: int, factor: float = REFERENCE_STD_FACTOR
 def init_delta_residual_as_reference(module: DeltaResidual, beta0: float) -> None:
     """The reference's Delta residual at `REFERENCE_COMMIT`: gate matrices N(0, spectral_std), the gate's bias
     logit(beta0 / 2) (p clamped to [1e-6, 1 - 1e-6]) with the opening rho = 1 (they have none), v_proj's weight
-    N(0, spectral_std) and its bias nn.Linear's U(-1/sqrt(D), 1/sqrt(D)), the read vector 1 / d_v."""
+    N(0, spectral_std) and its bias nn.Linear's U(-1/sqrt(D), 1/sqrt(D)). (The read vector, 1 / d_v in both
+    schemes, is set by `_init_weights`.)"""
     for layer in module.beta_proj.modules() if isinstance(module.beta_proj, nn.Sequential) else [module.beta_proj]:
         if isinstance(layer, nn.Linear):
             init.normal_(layer.weight, mean=0.0, std=spectral_std(layer.in_features, layer.out_features))
@@ -1152,8 +1154,6 @@ def init_delta_residual_as_reference(module: DeltaResidual, beta0: float) -> Non
         init.normal_(v_proj.weight, mean=0.0, std=spectral_std(v_proj.in_features, v_proj.out_features))
         bound = 1.0 / math.sqrt(v_proj.in_features)
         init.uniform_(v_proj.bias, -bound, bound)
-    if "read_weights" in module._parameters:  # not on a residual that shares its block's read
-        init.constant_(module.read_weights, 1.0 / module.value_channels)
 
 
 def resolve_delta_init(config: DeltaGPTConfig, loading: bool) -> None:

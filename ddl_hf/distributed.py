@@ -48,7 +48,7 @@ def fully_shard_model(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded state dict of a sharded model, on the CPU of rank 0 (empty on the other ranks): what
-    `save_pretrained` of an unsharded copy takes. Every rank must call it."""
+    `model.save_pretrained(path, state_dict=...)` on rank 0 writes. Every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
