@@ -79,6 +79,11 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
         "additive d_v=1 TC, identity init",
         dict(delta_mode="additive", delta_state_read="temporal_conv", delta_init="exact"),
     ),
+    # The authors' own configurations (`DeltaGPTConfig.reference` / `DeltaLlamaConfig.reference`, their model files
+    # at commit d1f7621): paper mode, v = 4 sigmoid(W_v r + b) from the raw read, their init, one read per block.
+    "ref_dv1": ("reference d_v=1", dict(reference="dv1")),
+    "ref_dv4_tc": ("reference d_v=4 TC", dict(reference="tc")),
+    "ref_dv4_cc": ("reference d_v=4 CC", dict(reference="cc")),
 }
 BASELINE = "gpt2"  # the baseline of either arch (GPT-2, or the Llama-style backbone with --arch llama)
 ARCHS = ("gpt2", "llama")
@@ -103,6 +108,7 @@ CONTRASTS = {
     ("paper_dv4_tc", "gpt2_tc"): "the paper's d_v=4 Delta residual vs {base}, both reading through a TC",
     ("paper_dv4_tc", "paper_dv4"): "the TC read inside the paper's d_v=4 residual",
     ("delta_net", "delta_net_noconv"): "DeltaNet's short convolution",
+    ("ref_dv4_tc", "gpt2_tc_id"): "the authors' d_v=4 TC model vs {base} with a learnable token convolution",
 }
 KEEP_BELOW, REFLECT_ABOVE = 0.5, 1.5
 
@@ -360,9 +366,11 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
         baseline_class, baseline_config = GPT2LMHeadModel, GPT2Config(**shape)
         delta_class, delta_config = ddl_hf.DeltaGPTForCausalLM, ddl_hf.DeltaGPTConfig
     else:
+        reference = preset.init == "reference"  # the authors' SwiGLU width, RMSNorm epsilon and RoPE base
         shape = dict(
             hidden_size=preset.n_embd,
-            intermediate_size=64 * round(8 * preset.n_embd / 3 / 64),  # SwiGLU at GPT-2's MLP parameter count
+            # SwiGLU at GPT-2's MLP parameter count: theirs floor(8d/3), else rounded to a multiple of 64
+            intermediate_size=8 * preset.n_embd // 3 if reference else 64 * round(8 * preset.n_embd / 3 / 64),
             num_hidden_layers=preset.n_layer,
             num_attention_heads=preset.n_head,
             num_key_value_heads=preset.n_head,
@@ -370,6 +378,11 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
             max_position_embeddings=preset.block_size,
             attention_dropout=preset.dropout,
             tie_word_embeddings=True,
+            **(
+                dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                if reference
+                else {}
+            ),
             **ids,
         )
         baseline_class, baseline_config = Qwen3ForCausalLM, Qwen3Config(**shape)
@@ -383,7 +396,11 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
     if overrides is None:
         return baseline
     torch.manual_seed(seed + 10_000)  # the Delta parameters' own draws, the same for every variant at this seed
-    model = delta_class(delta_config(**shape, **overrides))
+    if "reference" in overrides:  # the preset's own fields, the run's shape
+        make_config = getattr(delta_config, "func", delta_config).reference
+        model = delta_class(make_config(overrides["reference"], **(getattr(delta_config, "keywords", {}) | shape)))
+    else:
+        model = delta_class(delta_config(**shape, **overrides))
     missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
     delta_only = set(missing) <= set(model.delta_parameters()) | {
         n for n in missing if ".attn." in n and overrides.get("token_mixer") == "delta_net"
@@ -514,32 +531,34 @@ def run_path(folder: Path, variant: str, seed: int) -> Path:
     return folder / "runs" / f"{variant}-seed{seed}.json"
 
 
-def launch(args: argparse.Namespace, folder: Path, jobs: list[tuple[str, int]]) -> None:
-    """Run the missing (variant, seed) jobs, `args.workers` processes at a time, one torch thread each."""
+def launch(jobs: list[tuple[list[str], Path, str, int]], workers: int, threads: int) -> None:
+    """Run the missing jobs `(worker arguments, study folder, variant, seed)`, `workers` processes at a time with
+    `threads` torch threads each, in the order given. A run is written only once complete (`main`), so a killed
+    study redoes the runs it was in and never counts half of one."""
     from tqdm.auto import tqdm
 
-    jobs = [(v, s) for v, s in jobs if not run_path(folder, v, s).exists()]
+    jobs = [job for job in jobs if not run_path(job[1], job[2], job[3]).exists()]
     if not jobs:
         return
-    (folder / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
 
-    def run(job: tuple[str, int]) -> tuple[str, int, int]:
-        variant, seed = job
+    def run(job: tuple[list[str], Path, str, int]) -> tuple[str, int, Path]:
+        forward, folder, variant, seed = job
         log = folder / "logs" / f"{variant}-seed{seed}.log"
-        command = [sys.executable, str(SCRIPT), *args.forward, "--worker", variant, str(seed)]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, str(SCRIPT), *forward, "--worker", variant, str(seed)]
         with open(log, "w") as out:
             code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-        return variant, seed, code
+        return f"{folder.name}: {variant} seed {seed}", code, log
 
     failures = []
-    with concurrent.futures.ThreadPoolExecutor(max(1, args.workers)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
         bar = tqdm(total=len(jobs), desc="pretrain runs", unit="run")
-        for variant, seed, code in pool.map(run, jobs):
+        for name, code, log in pool.map(run, jobs):
             bar.update()
-            bar.set_postfix_str(f"{variant} seed {seed}" + ("" if code == 0 else f" FAILED ({code})"))
+            bar.set_postfix_str(name + ("" if code == 0 else f" FAILED ({code})"))
             if code:
-                failures.append(f"{variant} seed {seed} (log: {folder / 'logs' / f'{variant}-seed{seed}.log'})")
+                failures.append(f"{name} (log: {log})")
         bar.close()
     if failures:
         raise SystemExit("bench_pretrain: runs failed: " + "; ".join(failures))
@@ -869,7 +888,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if not run_path(folder, variant, seed).exists():
                     main([*args.forward, "--worker", variant, str(seed)])
         else:
-            launch(args, folder, jobs)
+            launch([(args.forward, folder, v, s) for v, s in jobs], args.workers, args.threads)
 
     if not args.report_only:
         run_all(first)
