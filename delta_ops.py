@@ -380,6 +380,13 @@ def temporal_conv_read(
     return _TemporalConvRead.apply(x, weight, past, same_document)
 
 
+def temporal_conv_read_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token's TC read from its whole window `[B, K, D, d_v]` (the K - 1 cached inputs, then the token), as
+    `[B, D]`: `temporal_conv_read(window[:, -1:], weight, window[:, :-1])[:, 0]` in one product and two sums, the
+    decoding step's path (no per-tap loop, no autograd Function: several times faster at batch 1)."""
+    return (window * weight.permute(2, 0, 1).to(window.dtype)).sum(-1).sum(1)
+
+
 def same_document_taps(document_starts: torch.Tensor, size: int) -> torch.Tensor:
     """`[B, T, K]` bool for `temporal_conv`: tap j of token t (which reads token t - K + 1 + j) stays in t's
     document. `document_starts` `[B, T]` is True where a packed row starts a new document."""

@@ -77,6 +77,7 @@ from .delta_ops import (
     straight_through_clamp,
     temporal_conv,
     temporal_conv_read,
+    temporal_conv_read_window,
     unit_direction,
 )
 
@@ -110,12 +111,14 @@ class DeltaConvContext:
         """`convolve(x, key, weight).sum(-1)` as one pass (`temporal_conv_read`): neither the zero-padded history nor
         the `[B, T, D, d_v]` convolution is made, except the history that a cache keeps as the window."""
         size = weight.shape[-1]
+        starts = self.document_starts
         if self.cache is None:
             x, past = self.masked(x), None
         else:  # the window the cache keeps is the history: its first size - 1 rows are the past
             history = self.history(x, key, size)
+            if history.shape[1] == size and starts is None:  # one token: its window is the whole history
+                return temporal_conv_read_window(history, weight).unsqueeze(1)
             x, past = history[:, size - 1 :], history[:, : size - 1]
-        starts = self.document_starts
         return temporal_conv_read(x, weight, past, None if starts is None else same_document_taps(starts, size))
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:

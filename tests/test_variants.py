@@ -15,6 +15,7 @@ from ddl_hf.delta_ops import (
     same_document_taps,
     temporal_conv,
     temporal_conv_read,
+    temporal_conv_read_window,
 )
 from ddl_hf.modeling_delta_gpt import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 
@@ -73,6 +74,19 @@ def test_the_one_pass_tc_read_is_the_convolution_summed_over_channels(steps, cac
     grads = torch.autograd.grad(temporal_conv_read(x, weight, past, taps).sum(), (x, weight))
     for got, want in zip(grads, torch.autograd.grad(expected.sum(), (x, weight))):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_one_tokens_tc_read_from_its_window_is_the_one_pass_read() -> None:
+    """The decoding step's read (`temporal_conv_read_window`: the cached K - 1 inputs and the token as one window)
+    against `temporal_conv_read` of that token with that past, in float64: values and gradients (`gradcheck`)."""
+    g = torch.Generator().manual_seed(11)
+    window = torch.randn(3, 4, 5, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    expected = temporal_conv_read(window[:, 3:], weight, window[:, :3].detach())[:, 0]
+    torch.testing.assert_close(temporal_conv_read_window(window, weight), expected, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(temporal_conv_read_window, (window, weight))
+    got = torch.autograd.grad(temporal_conv_read_window(window, weight).sum(), weight)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(expected.sum(), weight)[0], rtol=0, atol=1e-12)
 
 
 def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_state_grads() -> None:
