@@ -56,7 +56,7 @@ PLANS = {
     "full": Plan(
         "cpu",
         widths=(32, 80, 160),
-        seeds=(3, 3, 2),
+        seeds=(3, 3, 3),
         sweep_lrs=(1.5e-3, 3e-3, 6e-3),
         tokens_per_param=1.0,
         min_steps=200,

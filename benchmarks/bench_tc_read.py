@@ -1,5 +1,7 @@
 """The TC read's cost, one pass (`temporal_conv_read`) against its definition (convolution, then the sum over the
-value channels), beside GPT-2 in one process: training-step CPU time and saved activations, as ratios to GPT-2.
+value channels), beside GPT-2 in one process: training-step CPU time and saved activations, as ratios to GPT-2;
+and greedy decoding at batch 1, the one-token window read (`temporal_conv_read_window`) against the per-tap one
+pass it replaced for that step.
 
     python benchmarks/bench_tc_read.py             # small shape (L4 D256 T256 B8), d_v = 4, paper mode
     python benchmarks/bench_tc_read.py --quick     # tiny shape, a few pairs
@@ -15,8 +17,9 @@ from pathlib import Path
 
 import torch
 from _common import provenance, write_results
-from bench_overhead import SHAPES, build_pair, interleaved, train_step_fn
+from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_step_fn
 
+from ddl_hf.delta_ops import temporal_conv_read
 from ddl_hf.modeling_delta_gpt import DeltaConvContext
 
 VARIANTS = {
@@ -28,6 +31,15 @@ ONE_PASS = DeltaConvContext.convolve_read
 
 def definition(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
     return self.convolve(x, key, weight).sum(-1)
+
+
+def per_tap(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
+    """The cached read before the one-token window path: always the per-tap one pass (no packed rows here)."""
+    if self.cache is None:
+        return ONE_PASS(self, x, key, weight)
+    size = weight.shape[-1]
+    history = self.history(x, key, size)
+    return temporal_conv_read(history[:, size - 1 :], weight, history[:, : size - 1])
 
 
 def saved_mib(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -68,11 +80,38 @@ def main(argv: list[str] | None = None) -> dict:
                 saved = saved_mib(delta, ids)
             finally:
                 DeltaConvContext.convolve_read = ONE_PASS
-            row = {"shape": shape_name, "variant": variant, "read": read, "train_step": step,
-                   "saved_mib": saved, "gpt2_saved_mib": base_saved, "saved_ratio": saved / base_saved}  # fmt: skip
+            row = {
+                "shape": shape_name,
+                "variant": variant,
+                "read": read,
+                "train_step": step,
+                "saved_mib": saved,
+                "gpt2_saved_mib": base_saved,
+                "saved_ratio": saved / base_saved,
+            }
             results["rows"].append(row)
-            print(f"{variant:6s} {read:14s} train step {step['ratio']:.3f} [{step['ratio_min']:.3f}, "
-                  f"{step['ratio_max']:.3f}]  saved activations {saved / base_saved:.3f}", flush=True)  # fmt: skip
+            print(
+                f"{variant:6s} {read:14s} train step {step['ratio']:.3f} [{step['ratio_min']:.3f}, "
+                f"{step['ratio_max']:.3f}]  saved activations {saved / base_saved:.3f}",
+                flush=True,
+            )
+    prompt = ids[:1, :32]
+    new_tokens = 16 if args.quick else 32
+    for variant, fields in VARIANTS.items():
+        gpt2, delta = build_pair(shape, 4, "paper", fields)
+        gen_a, gen_b = generate_fn(gpt2, prompt, new_tokens), generate_fn(delta, prompt, new_tokens)
+        for read, implementation in (("one-token window", ONE_PASS), ("per tap", per_tap)):
+            DeltaConvContext.convolve_read = implementation
+            try:
+                gen = interleaved(gen_a, gen_b, pairs)
+            finally:
+                DeltaConvContext.convolve_read = ONE_PASS
+            results["rows"].append({"shape": shape_name, "variant": variant, "read": read, "generation_b1": gen})
+            print(
+                f"{variant:6s} {read:16s} decode b=1 {gen['ratio']:.3f} [{gen['ratio_min']:.3f}, "
+                f"{gen['ratio_max']:.3f}]",
+                flush=True,
+            )
     lines = [
         "# The TC read: one pass vs convolution then sum (d_v = 4, paper mode)",
         "",
@@ -83,12 +122,29 @@ def main(argv: list[str] | None = None) -> dict:
         "|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
+        if "train_step" not in row:
+            continue
         step = row["train_step"]
         saved = f"{row['saved_ratio']:.3f} | {row['saved_mib']:.0f} ({row['gpt2_saved_mib']:.0f})"
         lines.append(
             f"| {row['shape']} | {row['variant']} | {row['read']} | {step['ratio']:.3f} [{step['ratio_min']:.3f}, "
             f"{step['ratio_max']:.3f}] | {saved} |"
         )
+    lines += [
+        "",
+        f"Greedy decoding at batch 1 ({new_tokens} new tokens after a 32-token prompt, KV cache and cached windows): "
+        "process CPU time per call, ratio to GPT-2 (median of interleaved pairs, [min, max]).",
+        "",
+        "| shape | variant | cached read | decode b=1 |",
+        "|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        if "generation_b1" in row:
+            gen = row["generation_b1"]
+            lines.append(
+                f"| {row['shape']} | {row['variant']} | {row['read']} | {gen['ratio']:.3f} [{gen['ratio_min']:.3f}, "
+                f"{gen['ratio_max']:.3f}] |"
+            )
     write_results(args.out, "tc_read_quick" if args.quick else "tc_read", results, "\n".join(lines) + "\n")
     return results
 
