@@ -118,7 +118,10 @@ class DeltaConvContext:
             history = self.history(x, key, size)
             if history.shape[1] == size and starts is None:  # one token: its window is the whole history
                 return temporal_conv_read_window(history, weight).unsqueeze(1)
-            x, past = history[:, size - 1 :], history[:, : size - 1]
+            if history.requires_grad:  # save the state itself and a copy of the past, not slices of a second copy
+                x, past = self.masked(x), history[:, : size - 1].clone()
+            else:
+                x, past = history[:, size - 1 :], history[:, : size - 1]
         return temporal_conv_read(x, weight, past, None if starts is None else same_document_taps(starts, size))
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +141,10 @@ class DeltaConvContext:
             past = past[:, past.shape[1] - (size - 1) :].to(x.dtype)
         history = torch.cat([past, x], dim=1)
         if self.cache is not None:
-            self.cache.set_delta_window(key, history.detach())
+            # In a forward that records gradients (training) only the last size - 1 inputs are kept, as a copy: the
+            # whole history would hold a second copy of the input alive as long as the cache.
+            window = history[:, history.shape[1] - (size - 1) :].clone() if history.requires_grad else history
+            self.cache.set_delta_window(key, window.detach())
         return history
 
 
@@ -208,7 +214,8 @@ class DeltaWindowsMixin:
     """Cache mixin: per temporal convolution, its last `delta_conv_size - 1` inputs, for each sequence in the batch.
 
     A window holds the inputs of the last forward too (K - 1 + T entries), so that assisted decoding can crop the
-    tokens it rejects; the next forward keeps only the last K - 1. Memory does not grow with the context.
+    tokens it rejects; the next forward keeps only the last K - 1. Memory does not grow with the context. A forward
+    that records gradients (training with `use_cache`) keeps only the last K - 1, not a copy of its whole input.
     """
 
     delta_history: int = 0

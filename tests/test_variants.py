@@ -89,6 +89,32 @@ def test_one_tokens_tc_read_from_its_window_is_the_one_pass_read() -> None:
     torch.testing.assert_close(got, torch.autograd.grad(expected.sum(), weight)[0], rtol=0, atol=1e-12)
 
 
+def test_a_training_forward_with_the_cache_saves_no_second_copy_of_the_state() -> None:
+    """With `use_cache` (the default, also under Trainer) a TC read's cached window is the last K - 1 inputs, and
+    autograd saves the same storages as without a cache: not the whole `[B, K - 1 + T, D, d_v]` history."""
+    model = variant_model(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper").train()
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+
+    def saved_bytes(use_cache: bool) -> tuple[int, object]:
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model(ids, use_cache=use_cache)
+        return sum(storages.values()), out
+
+    without, _ = saved_bytes(False)
+    with_cache, out = saved_bytes(True)
+    windows = cache_of(out).delta_windows
+    assert windows and all(w.shape[1] == model.config.delta_conv_size - 1 for w in windows.values())
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache_of(out).layers)  # GPT-2 saves these too
+    pasts = sum(w.nbytes for w in windows.values())  # each read's K - 1 past inputs (zeros here), saved as a copy
+    assert with_cache <= without + kv + pasts
+
+
 def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_state_grads() -> None:
     """A TC model's logits and gradients with the one-pass read equal those of the convolution-then-sum definition
     (swapped in), in float32 and under bf16 autocast."""
