@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -75,7 +76,9 @@ def synthetic(monkeypatch, tmp_path):
     monkeypatch.setitem(scaling.PLANS, "quick", PLAN)
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n\n{scaling.README_BEGIN}\nold\n{scaling.README_END}\n\nafter\n")
-    return trained, readme, tmp_path
+    threads = torch.get_num_threads()  # the study sets one thread per run; later tests keep the suite's count
+    yield trained, readme, tmp_path
+    torch.set_num_threads(threads)
 
 
 def test_study_reports_the_differences_trends_and_learning_rates_it_was_given(synthetic):
