@@ -108,12 +108,13 @@ class Unfused(TrainerCallback):
             group.update(fused=False, foreach=False)
 
 
-@pytest.mark.parametrize(("callbacks", "tolerance"), [([], 0.0), ([Unfused()], 1e-4)], ids=["fused", "unfused"])
-def test_resuming_a_0_1_trainer_checkpoint_ends_where_0_1_ended(tmp_path, callbacks, tolerance):
+@pytest.mark.parametrize("callbacks", [[], [Unfused()]], ids=["fused", "unfused"])
+def test_resuming_a_0_1_trainer_checkpoint_ends_where_0_1_ended(tmp_path, callbacks):
     """The 0.1 run checkpointed after 2 of 4 steps; resumed today (weights, and AdamW's state for the 0-dim
-    `beta_open`), it reaches the parameters the 0.1 run reached after 4: bit for bit with its fused AdamW; with the
-    single-tensor AdamW, which broadcasts the `[1]` gradient into a 0-dim state and fails unless the state is
-    reshaped, to 1e-4 (measured 1.5e-5; a lost optimizer state would move them by about the learning rate, 1e-2)."""
+    `beta_open`), it reaches the parameters the 0.1 run reached after 4, with its fused AdamW and with the
+    single-tensor one (which broadcasts the `[1]` gradient into a 0-dim state and fails unless the state is reshaped).
+    To 5e-4, not bit for bit: the CPU's float kernels differ between machines (bit-exact where the fixture was made,
+    4.5e-5 apart on an AVX-512 EPYC), while a lost optimizer state moves the parameters by 3.5e-2 (measured)."""
     from transformers import Trainer
 
     shutil.copytree(FIXTURES / "trainer_checkpoint", tmp_path / "checkpoint-2")
@@ -129,5 +130,5 @@ def test_resuming_a_0_1_trainer_checkpoint_ends_where_0_1_ended(tmp_path, callba
     assert final.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(
-            final[name].detach(), value.reshape(final[name].shape), rtol=0, atol=tolerance, msg=name
+            final[name].detach(), value.reshape(final[name].shape), rtol=0, atol=5e-4, msg=name
         )
