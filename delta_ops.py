@@ -333,22 +333,22 @@ def _taps(x: torch.Tensor, past: torch.Tensor | None, size: int):
 
 
 class _TemporalConvRead(torch.autograd.Function):
-    """`temporal_conv(cat([past, x]), weight).sum(-1)` with neither the padded history nor the `[B, T, D, d_v]`
-    convolution output made: each tap reduces over the value channels as it goes, and the backward saves only x
-    (which the Delta update keeps anyway). `past` is a cached window: no gradient."""
+    """`temporal_conv(cat([past, x]), weight).sum(-1)` without the padded history: the taps accumulate in place into
+    one `[B, T, D, d_v]` buffer (an in-place multiply-add each, no product kept) that is summed over the value channels
+    once, and the backward saves only x (which the Delta update keeps anyway). `past` is a cached window: no
+    gradient. Memory-bound on the CPU: each tap is one pass over the state (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, x, weight, past, same_document):
         w = weight.to(x.dtype)
-        out = x.new_zeros(x.shape[:-1])
+        taps = torch.zeros_like(x)
         for j, rows, source, _ in _taps(x, past, w.shape[-1]):
-            term = (source * w[..., j]).sum(-1)
             if same_document is not None:
-                term = term * same_document[:, rows, j, None].to(term.dtype)
-            out[:, rows] += term
+                source = source * same_document[:, rows, j, None, None].to(x.dtype)
+            taps[:, rows].addcmul_(source, w[..., j])
         ctx.save_for_backward(x, w, past, same_document)
         ctx.weight_dtype = weight.dtype
-        return out
+        return taps.sum(-1)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -359,10 +359,11 @@ class _TemporalConvRead(torch.autograd.Function):
             g = grad_out[:, rows]
             if same_document is not None:
                 g = g * same_document[:, rows, j, None].to(g.dtype)
+            g = g.unsqueeze(-1)
             if grad_x is not None and x_rows is not None:
-                grad_x[:, x_rows] += g.unsqueeze(-1) * w[..., j]
+                grad_x[:, x_rows].addcmul_(g, w[..., j])
             if grad_w is not None:
-                grad_w[..., j] += (g.unsqueeze(-1) * source).sum((0, 1))
+                grad_w[..., j] += (g * source).sum((0, 1))
         return grad_x, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None
 
 

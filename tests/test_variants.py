@@ -116,8 +116,9 @@ def test_a_training_forward_with_the_cache_saves_no_second_copy_of_the_state() -
 
 
 def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_state_grads() -> None:
-    """A TC model's logits and gradients with the one-pass read equal those of the convolution-then-sum definition
-    (swapped in), in float32 and under bf16 autocast."""
+    """A TC model's loss and gradients with the one-pass read equal those of the convolution-then-sum definition
+    (swapped in) in float32; under bf16 autocast the one-pass model is as close to the float32 gradients as the
+    definition is (any float32 reordering flips bf16 roundings downstream, so an elementwise bound would test luck)."""
     model = variant_model(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper")
     model.train()
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -131,18 +132,26 @@ def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_s
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    for autocast in (False, True):
-        fused = run(autocast)
-        original = DeltaConvContext.convolve_read
-        try:
-            DeltaConvContext.convolve_read = lambda self, x, key, w: self.convolve(x, key, w).sum(-1)
-            plain = run(autocast)
-        finally:
-            DeltaConvContext.convolve_read = original
-        tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(fused[0], plain[0], **tolerance)
-        for name, grad in plain[1].items():
-            torch.testing.assert_close(fused[1][name], grad, **tolerance, msg=name)
+    def flat(grads: dict) -> torch.Tensor:
+        return torch.cat([grads[name].flatten() for name in sorted(grads)])
+
+    fused, fused_bf16 = run(False), run(True)
+    original = DeltaConvContext.convolve_read
+    try:
+        DeltaConvContext.convolve_read = lambda self, x, key, w: self.convolve(x, key, w).sum(-1)
+        plain, plain_bf16 = run(False), run(True)
+    finally:
+        DeltaConvContext.convolve_read = original
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert fused[1].keys() == plain[1].keys()
+    for name, grad in plain[1].items():
+        assert fused[1][name].dtype == torch.float32, name
+        torch.testing.assert_close(fused[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(fused_bf16[0], plain_bf16[0], rtol=2e-2, atol=2e-3)
+    reference = flat(plain[1])
+    fused_error = (flat(fused_bf16[1]) - reference).norm() / reference.norm()
+    plain_error = (flat(plain_bf16[1]) - reference).norm() / reference.norm()
+    assert 0 < fused_error <= 1.25 * plain_error, (fused_error, plain_error)
 
 
 @pytest.mark.parametrize(("channels", "size"), [(4, 4), (4, 3), (5, 2), (3, 1)])
