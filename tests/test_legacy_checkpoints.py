@@ -129,6 +129,4 @@ def test_resuming_a_0_1_trainer_checkpoint_ends_where_0_1_ended(tmp_path, callba
     final = dict(model.named_parameters())
     assert final.keys() == expected.keys()
     for name, value in expected.items():
-        torch.testing.assert_close(
-            final[name].detach(), value.reshape(final[name].shape), rtol=0, atol=5e-4, msg=name
-        )
+        torch.testing.assert_close(final[name].detach(), value.reshape(final[name].shape), rtol=0, atol=5e-4, msg=name)
