@@ -82,3 +82,22 @@ def test_bench_overhead_pairs_share_every_baseline_weight_and_a_mismatch_is_refu
     assert all(torch.equal(p, shared[name]) for name, p in base.named_parameters())
     with pytest.raises(RuntimeError, match=r"baseline weights do not map onto the Delta model: missing=.*c_attn"):
         build_pair(SHAPES["tiny"], 1, "additive", {"token_mixer": "delta_net"})
+
+
+def test_the_step_profile_attributes_the_tc_read_only_to_variants_that_have_one(tmp_path):
+    """`profile_variant_step.py --quick`: the TC read's autograd Function holds time in the TC rows and none in the
+    linear-read or CC rows; every row has the Delta update; the parts and 'other' add up to the extra time."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from profile_variant_step import main
+
+    rows = {row["variant"]: row for row in main(["--quick", "--out", str(tmp_path)])["rows"]}
+    assert set(rows) == {"linear read", "TC", "CC", "EC", "TC+EC"}
+    for name, row in rows.items():
+        parts = row["parts_ms"]
+        assert parts["Delta update"] > 0, name
+        assert (parts["TC read"] > 0) == name.startswith("TC"), name
+        assert sum(parts.values()) == pytest.approx(row["delta_ms"] - row["gpt2_ms"])
+    saved = json.loads((tmp_path / "variant_step_profile_quick.json").read_text())
+    assert saved["provenance"]["command"].startswith("python benchmarks/profile_variant_step.py --quick")
+    table = (tmp_path / "variant_step_profile_quick.md").read_text()
+    assert table.count("\n| ") == 1 + len(rows)  # the header, then one line per variant

@@ -1,0 +1,128 @@
+"""Where a variant's training step spends its time beyond GPT-2's: torch.profiler on one training step (forward,
+backward, AdamW) of GPT-2 and of each d_v = 4 paper-mode variant of the same shape, in one process.
+
+The extra CPU time is split by the autograd Functions that hold the Delta math: the Delta update
+(`_FusedDeltaUpdate`, forward and backward) and the TC read (`_TemporalConvRead`); the rest of the extra ("other":
+gate and value projections, CC's folded read, EC's expansion, the linear read, AdamW on the Delta parameters, the
+Python around them) is the difference that remains. The profiler's own cost per operator inflates every total a
+little (both models alike); the shares, not the milliseconds, are what to read.
+
+    python benchmarks/profile_variant_step.py            # small shape (L4 D256 T256 B8), 3 profiled steps each
+    python benchmarks/profile_variant_step.py --quick    # tiny shape, 1 step
+
+Writes `benchmarks/results/variant_step_profile{,_quick}.{json,md}`: per variant the step's total, the extra over
+GPT-2, each part as a fraction of GPT-2's step, and the aten operators that add most.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from _common import provenance, write_results
+from bench_overhead import SHAPES, build_pair, train_step_fn
+from torch.profiler import ProfilerActivity, profile
+from transformers.utils import logging as hf_logging
+
+VARIANTS = {
+    "linear read": {},
+    "TC": dict(delta_state_read="temporal_conv"),
+    "CC": dict(delta_state_read="channel_conv"),
+    "EC": dict(delta_embed_expand="conv"),
+    "TC+EC": dict(delta_state_read="temporal_conv", delta_embed_expand="conv"),
+}
+# Named parts: the profiler events of the Delta math's autograd Functions (forward, then backward).
+PARTS = {
+    "Delta update": ("_FusedDeltaUpdate", "_FusedDeltaUpdateBackward"),
+    "TC read": ("_TemporalConvRead", "_TemporalConvReadBackward"),
+}
+
+
+def profiled_step(step, steps: int) -> dict:
+    """Total self CPU time of `steps` steps (ms per step), the CPU time inside each part, and per-operator self time."""
+    step(), step()  # warm-up: allocator, AdamW state
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+    parts = {
+        part: sum(e.cpu_time_total for e in events if e.key in names) / 1e3 / steps for part, names in PARTS.items()
+    }
+    operators = {e.key: e.self_cpu_time_total / 1e3 / steps for e in events if e.key.startswith("aten::")}
+    return {"total_ms": total, "parts_ms": parts, "operators_ms": operators}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shape, one profiled step")
+    parser.add_argument("--steps", type=int, default=None, help="profiled steps per model (default 3; quick 1)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    shape_name = "tiny" if args.quick else "small"
+    shape, steps = SHAPES[shape_name], args.steps or (1 if args.quick else 3)
+    ids = torch.randint(
+        0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0)
+    )
+    results = {
+        "provenance": provenance(None if argv is None else [__file__, *argv]),
+        "shape": shape_name,
+        "steps": steps,
+        "rows": [],
+    }
+    for variant, fields in VARIANTS.items():
+        gpt2, delta = build_pair(shape, 4, "paper", fields)
+        base = profiled_step(train_step_fn(gpt2, ids)[0], steps)
+        mine = profiled_step(train_step_fn(delta, ids)[0], steps)
+        extra = mine["total_ms"] - base["total_ms"]
+        parts = dict(mine["parts_ms"], other=extra - sum(mine["parts_ms"].values()))
+        added = {op: ms - base["operators_ms"].get(op, 0.0) for op, ms in mine["operators_ms"].items()}
+        top = dict(sorted(added.items(), key=lambda item: -item[1])[:5])
+        row = {
+            "variant": variant,
+            "fields": fields,
+            "gpt2_ms": base["total_ms"],
+            "delta_ms": mine["total_ms"],
+            "ratio": mine["total_ms"] / base["total_ms"],
+            "parts_ms": parts,
+            "parts_share_of_gpt2": {part: ms / base["total_ms"] for part, ms in parts.items()},
+            "top_added_operators_ms": top,
+        }
+        results["rows"].append(row)
+        shares = " ".join(f"{p} {s:+.3f}" for p, s in row["parts_share_of_gpt2"].items())
+        print(f"{variant:12s} ratio {row['ratio']:.3f}: {shares}", flush=True)
+    write_results(
+        args.out, "variant_step_profile_quick" if args.quick else "variant_step_profile", results, markdown(results)
+    )
+    return results
+
+
+def markdown(results: dict) -> str:
+    shape = SHAPES[results["shape"]]
+    label = f"{results['shape']} (L{shape['n_layer']} D{shape['n_embd']} T{shape['seq']} B{shape['batch']})"
+    lines = [
+        f"# Where a variant's training step goes beyond GPT-2's ({label}, d_v = 4, paper mode)",
+        "",
+        f"torch.profiler, {results['steps']} training steps per model after two warm-up steps, one torch thread. "
+        "Self CPU time per step (the profiler's per-operator cost included, both models alike); the parts of the "
+        "extra time as fractions of GPT-2's step: the Delta update's and the TC read's autograd Functions (forward "
+        "+ backward), and everything else.",
+        "",
+        "| variant | GPT-2 ms | variant ms | ratio | Delta update | TC read | other | operators adding most (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        share = row["parts_share_of_gpt2"]
+        top = ", ".join(f"{op.removeprefix('aten::')} {ms:.0f}" for op, ms in row["top_added_operators_ms"].items())
+        lines.append(
+            f"| {row['variant']} | {row['gpt2_ms']:.0f} | {row['delta_ms']:.0f} | {row['ratio']:.3f} | "
+            f"{share['Delta update']:+.3f} | {share['TC read']:+.3f} | {share['other']:+.3f} | {top} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
