@@ -7,7 +7,7 @@ gate and value projections, CC's folded read, EC's expansion, the linear read, A
 Python around them) is the difference that remains. The profiler's own cost per operator inflates every total a
 little (both models alike); the shares, not the milliseconds, are what to read.
 
-    python benchmarks/profile_variant_step.py            # small shape (L4 D256 T256 B8), 3 profiled steps each
+    python benchmarks/profile_variant_step.py            # small shape (L4 D256 T256 B8), 9 profiled steps each
     python benchmarks/profile_variant_step.py --quick    # tiny shape, 1 step
 
 Writes `benchmarks/results/variant_step_profile{,_quick}.{json,md}`: per variant the step's total, the extra over
@@ -17,6 +17,7 @@ GPT-2, each part as a fraction of GPT-2's step, and the aten operators that add 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import torch
@@ -39,31 +40,42 @@ PARTS = {
 }
 
 
-def profiled_step(step, steps: int) -> dict:
-    """Total self CPU time of `steps` steps (ms per step), the CPU time inside each part, and per-operator self time."""
-    step(), step()  # warm-up: allocator, AdamW state
+def profiled_step(step) -> dict:
+    """One step under the profiler: its total self CPU time (ms), the CPU time inside each part, per-operator time."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
+        step()
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
-    parts = {
-        part: sum(e.cpu_time_total for e in events if e.key in names) / 1e3 / steps for part, names in PARTS.items()
+    return {
+        "total_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "parts_ms": {
+            part: sum(e.cpu_time_total for e in events if e.key in names) / 1e3 for part, names in PARTS.items()
+        },
+        "operators_ms": {e.key: e.self_cpu_time_total / 1e3 for e in events if e.key.startswith("aten::")},
     }
-    operators = {e.key: e.self_cpu_time_total / 1e3 / steps for e in events if e.key.startswith("aten::")}
-    return {"total_ms": total, "parts_ms": parts, "operators_ms": operators}
+
+
+def median_profile(profiles: list[dict]) -> dict:
+    """The median over steps of every quantity (an operator missing from a step counts 0 there)."""
+    operators = {op for p in profiles for op in p["operators_ms"]}
+    return {
+        "total_ms": statistics.median(p["total_ms"] for p in profiles),
+        "parts_ms": {part: statistics.median(p["parts_ms"][part] for p in profiles) for part in PARTS},
+        "operators_ms": {op: statistics.median(p["operators_ms"].get(op, 0.0) for p in profiles) for op in operators},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shape, one profiled step")
-    parser.add_argument("--steps", type=int, default=None, help="profiled steps per model (default 3; quick 1)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="profiled steps per model, interleaved (default 9; quick 1)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     shape_name = "tiny" if args.quick else "small"
-    shape, steps = SHAPES[shape_name], args.steps or (1 if args.quick else 3)
+    shape, steps = SHAPES[shape_name], args.steps or (1 if args.quick else 9)
     ids = torch.randint(
         0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0)
     )
@@ -75,8 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for variant, fields in VARIANTS.items():
         gpt2, delta = build_pair(shape, 4, "paper", fields)
-        base = profiled_step(train_step_fn(gpt2, ids)[0], steps)
-        mine = profiled_step(train_step_fn(delta, ids)[0], steps)
+        base_step, delta_step = train_step_fn(gpt2, ids)[0], train_step_fn(delta, ids)[0]
+        for step in (base_step, delta_step, base_step, delta_step):  # warm-up: allocator, AdamW state
+            step()
+        pairs = [(profiled_step(base_step), profiled_step(delta_step)) for _ in range(steps)]  # interleaved
+        base, mine = median_profile([a for a, _ in pairs]), median_profile([b for _, b in pairs])
         extra = mine["total_ms"] - base["total_ms"]
         parts = dict(mine["parts_ms"], other=extra - sum(mine["parts_ms"].values()))
         added = {op: ms - base["operators_ms"].get(op, 0.0) for op, ms in mine["operators_ms"].items()}
@@ -106,10 +121,10 @@ def markdown(results: dict) -> str:
     lines = [
         f"# Where a variant's training step goes beyond GPT-2's ({label}, d_v = 4, paper mode)",
         "",
-        f"torch.profiler, {results['steps']} training steps per model after two warm-up steps, one torch thread. "
-        "Self CPU time per step (the profiler's per-operator cost included, both models alike); the parts of the "
-        "extra time as fractions of GPT-2's step: the Delta update's and the TC read's autograd Functions (forward "
-        "+ backward), and everything else.",
+        f"torch.profiler, {results['steps']} training steps per model after two warm-up steps, the two models' "
+        "steps interleaved, one torch thread; medians over the steps. Self CPU time per step (the profiler's "
+        "per-operator cost included, both models alike); the parts of the extra time as fractions of GPT-2's step: "
+        "the Delta update's and the TC read's autograd Functions (forward + backward), and everything else.",
         "",
         "| variant | GPT-2 ms | variant ms | ratio | Delta update | TC read | other | operators adding most (ms) |",
         "|---|---|---|---|---|---|---|---|",
