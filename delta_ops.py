@@ -17,6 +17,7 @@ the other code files.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -336,23 +337,32 @@ class _TemporalConvRead(torch.autograd.Function):
     """`temporal_conv(cat([past, x]), weight).sum(-1)` without the padded history: the taps accumulate in place into
     one `[B, T, D, d_v]` buffer (an in-place multiply-add each, no product kept) that is summed over the value channels
     once, and the backward saves only x (which the Delta update keeps anyway). `past` is a cached window: no
-    gradient. Memory-bound on the CPU: each tap is one pass over the state (docs/performance.md)."""
+    gradient. Memory-bound on the CPU: each tap is one pass over the state (docs/performance.md).
+
+    `kernel` (`ddl_hf.native`'s TC read, or None) does the same forward and backward in one pass over the state each,
+    where `_native_applies`."""
 
     @staticmethod
-    def forward(ctx, x, weight, past, same_document):
+    def forward(ctx, x, weight, past, same_document, kernel):
         w = weight.to(x.dtype)
+        ctx.save_for_backward(x, w, past, same_document)
+        ctx.weight_dtype, ctx.kernel = weight.dtype, kernel
+        if kernel is not None:
+            return kernel.tc_read_forward(x, w, past, same_document)
         taps = torch.zeros_like(x)
         for j, rows, source, _ in _taps(x, past, w.shape[-1]):
             if same_document is not None:
                 source = source * same_document[:, rows, j, None, None].to(x.dtype)
             taps[:, rows].addcmul_(source, w[..., j])
-        ctx.save_for_backward(x, w, past, same_document)
-        ctx.weight_dtype = weight.dtype
         return taps.sum(-1)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, w, past, same_document = ctx.saved_tensors
+        if ctx.kernel is not None:
+            need_x, need_w = ctx.needs_input_grad[:2]
+            grad_x, grad_w = ctx.kernel.tc_read_backward(grad_out, x, w, past, same_document, need_x, need_w)
+            return grad_x if need_x else None, grad_w.to(ctx.weight_dtype) if need_w else None, None, None, None
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
         for j, rows, source, x_rows in _taps(x, past, w.shape[-1]):
@@ -364,7 +374,18 @@ class _TemporalConvRead(torch.autograd.Function):
                 grad_x[:, x_rows].addcmul_(g, w[..., j])
             if grad_w is not None:
                 grad_w[..., j] += (g * source).sum((0, 1))
-        return grad_x, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None
+        return grad_x, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None
+
+
+def _native_applies(x: torch.Tensor) -> bool:
+    """Where a native kernel can stand in for tensor ops: CPU float32 / float64, outside compile, export and jit
+    tracing (an opaque extension call cannot be traced)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
 
 
 def temporal_conv_read(
@@ -372,13 +393,17 @@ def temporal_conv_read(
     weight: torch.Tensor,
     past: torch.Tensor | None = None,
     same_document: torch.Tensor | None = None,
+    kernel: Any = None,
 ) -> torch.Tensor:
     """The TC read in one pass: `temporal_conv(cat([past or zeros, x], 1), weight, same_document).sum(-1)`.
 
     x `[B, T, D, d_v]`, weight `[D, d_v, K]` (the kernels already scaled by the read vector), past `[B, K - 1, D,
     d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The readable
-    definition is the expression above (tests compare them, values and gradients, in float64)."""
-    return _TemporalConvRead.apply(x, weight, past, same_document)
+    definition is the expression above (tests compare them, values and gradients, in float64). `kernel`: the
+    optional native TC read (`ddl_hf.native.enable_native_tc_read`), used where `_native_applies`."""
+    if kernel is not None and not _native_applies(x):
+        kernel = None
+    return _TemporalConvRead.apply(x, weight, past, same_document, kernel)
 
 
 def temporal_conv_read_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

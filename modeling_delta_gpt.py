@@ -22,7 +22,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -107,9 +107,10 @@ class DeltaConvContext:
             self.history(x, key, size), weight, None if starts is None else same_document_taps(starts, size)
         )
 
-    def convolve_read(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
-        """`convolve(x, key, weight).sum(-1)` as one pass (`temporal_conv_read`): neither the zero-padded history nor
-        the `[B, T, D, d_v]` convolution is made, except the history that a cache keeps as the window."""
+    def convolve_read(self, x: torch.Tensor, key: str, weight: torch.Tensor, kernel: Any = None) -> torch.Tensor:
+        """`convolve(x, key, weight).sum(-1)` as one pass (`temporal_conv_read`, with the native `kernel` if given):
+        neither the zero-padded history nor the `[B, T, D, d_v]` convolution is made, except the history that a cache
+        keeps as the window."""
         size = weight.shape[-1]
         starts = self.document_starts
         if self.cache is None:
@@ -122,7 +123,8 @@ class DeltaConvContext:
                 x, past = self.masked(x), history[:, : size - 1].clone()
             else:
                 x, past = history[:, size - 1 :], history[:, : size - 1]
-        return temporal_conv_read(x, weight, past, None if starts is None else same_document_taps(starts, size))
+        document = None if starts is None else same_document_taps(starts, size)
+        return temporal_conv_read(x, weight, past, document, kernel)
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """x `[B, T, ...]` with padded positions zeroed (as the zeros before the start of a sequence)."""
@@ -155,6 +157,10 @@ class DeltaStateConv(nn.Module):
     channel: `weight` `[D, K]`, a convolution across the d_v value channels of each hidden unit.
     Initialised by the model: the identity (conversion) or an average (the reference code's from-scratch choice).
     """
+
+    # The native one-pass TC read (`ddl_hf.native.enable_native_tc_read`), an extension with `tc_read_forward` /
+    # `tc_read_backward`. Optional: None (the default) keeps `temporal_conv_read`'s tensor ops.
+    native_read: Any = None
 
     def __init__(self, kind: str, hidden_size: int, value_channels: int, size: int):
         super().__init__()
@@ -189,7 +195,14 @@ class DeltaStateConv(nn.Module):
             weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
             return (context or DeltaConvContext()).convolve(state, key, weight)
         # TC: the read vector scales the kernels (W r), and one pass reads the state (`temporal_conv_read`).
-        return (context or DeltaConvContext()).convolve_read(state, key, self.weight * read[:, None])
+        return (context or DeltaConvContext()).convolve_read(state, key, self.weight * read[:, None], self.native_read)
+
+    def __getstate__(self) -> dict:
+        """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native read, a compiled extension that cannot
+        be pickled: the copy reads with tensor ops (the same values) until `enable_native_tc_read` is called on it."""
+        state = super().__getstate__().copy()
+        state.pop("native_read", None)
+        return state
 
 
 class DeltaEmbedExpand(nn.Module):

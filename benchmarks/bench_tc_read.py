@@ -1,7 +1,8 @@
-"""The TC read's cost, one pass (`temporal_conv_read`) against its definition (convolution, then the sum over the
-value channels), beside GPT-2 in one process: training-step CPU time and saved activations, as ratios to GPT-2;
-and greedy decoding at batch 1, the one-token window read (`temporal_conv_read_window`) against the per-tap one
-pass it replaced for that step.
+"""The TC read's cost, one pass (`temporal_conv_read`, with tensor ops and with the optional native kernel of
+`ddl_hf.native` where it builds) against its definition (convolution, then the sum over the value channels), beside
+GPT-2 in one process: training-step CPU time and saved activations, as ratios to GPT-2; and greedy decoding at
+batch 1, the one-token window read (`temporal_conv_read_window`) against the per-tap one pass it replaced for that
+step.
 
     python benchmarks/bench_tc_read.py             # small shape (L4 D256 T256 B8), d_v = 4, paper mode
     python benchmarks/bench_tc_read.py --quick     # tiny shape, a few pairs
@@ -21,6 +22,7 @@ from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_s
 
 from ddl_hf.delta_ops import temporal_conv_read
 from ddl_hf.modeling_delta_gpt import DeltaConvContext
+from ddl_hf.native import disable_native_tc_read, enable_native_tc_read, native_build_problem
 
 VARIANTS = {
     "TC": dict(delta_state_read="temporal_conv"),
@@ -29,14 +31,14 @@ VARIANTS = {
 ONE_PASS = DeltaConvContext.convolve_read
 
 
-def definition(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
+def definition(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Tensor, kernel=None) -> torch.Tensor:
     return self.convolve(x, key, weight).sum(-1)
 
 
-def per_tap(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
+def per_tap(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Tensor, kernel=None) -> torch.Tensor:
     """The cached read before the one-token window path: always the per-tap one pass (no packed rows here)."""
     if self.cache is None:
-        return ONE_PASS(self, x, key, weight)
+        return ONE_PASS(self, x, key, weight, kernel)
     size = weight.shape[-1]
     history = self.history(x, key, size)
     return temporal_conv_read(history[:, size - 1 :], weight, history[:, : size - 1])
@@ -73,13 +75,19 @@ def main(argv: list[str] | None = None) -> dict:
         step_a, _ = train_step_fn(gpt2, ids)
         step_b, _ = train_step_fn(delta, ids)
         base_saved = saved_mib(gpt2, ids)
-        for read, implementation in (("one pass", ONE_PASS), ("conv then sum", definition)):
+        reads = [("one pass", ONE_PASS, False), ("conv then sum", definition, False)]
+        if native_build_problem() is None:
+            reads.insert(0, ("native one pass", ONE_PASS, True))
+        for read, implementation, native in reads:
             DeltaConvContext.convolve_read = implementation
+            if native:
+                enable_native_tc_read(delta)
             try:
                 step = interleaved(step_a, step_b, pairs)
                 saved = saved_mib(delta, ids)
             finally:
                 DeltaConvContext.convolve_read = ONE_PASS
+                disable_native_tc_read(delta)
             row = {
                 "shape": shape_name,
                 "variant": variant,

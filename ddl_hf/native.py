@@ -14,6 +14,15 @@ gate and value, not while compiling or tracing); everything else keeps the tenso
 the Hub model files import only torch and transformers, and a model without it gives the same tokens.
 `torch.save(model)` and `copy.deepcopy(model)` leave the kernel out (a compiled function cannot be pickled): the copy
 decodes on the Python host path until `enable_native_decoding` is called on it.
+
+A second kernel serves training: `csrc/tc_read.cpp` reads the expanded state through the TC convolution and the
+read vector in one pass over the state, forward and backward, where `delta_ops.temporal_conv_read` makes K in-place
+multiply-adds forward and 3K passes backward (docs/performance.md has the cost of both):
+
+    from ddl_hf.native import enable_native_tc_read
+    enable_native_tc_read(model)    # every TC read of `model` (delta_state_read="temporal_conv", d_v > 1)
+
+It runs on CPU float32 / float64 tensors outside compile, export and jit tracing; elsewhere the tensor ops run.
 """
 
 from __future__ import annotations
@@ -22,11 +31,15 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 _SOURCE = Path(__file__).parent / "csrc" / "one_token_delta.cpp"
+_TC_READ_SOURCE = Path(__file__).parent / "csrc" / "tc_read.cpp"
+_FLAGS = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised loops, no OpenMP runtime
 _kernel: Callable | None = None
+_tc_read: Any = None
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -60,17 +73,30 @@ def load_one_token_kernel(verbose: bool = False) -> Callable:
     """Build (first call; torch caches the build) and return the native one-token Delta update."""
     global _kernel
     if _kernel is None:
-        problem = native_build_problem()
-        if problem is not None:
-            raise NativeKernelUnavailable(
-                f"cannot build the native decoding kernel: {problem}. Decoding works without it (the Python path)."
-            )
-        from torch.utils.cpp_extension import load
-
-        flags = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised sums, no OpenMP runtime
-        module = load(name="ddl_hf_one_token_delta", sources=[str(_SOURCE)], extra_cflags=flags, verbose=verbose)
-        _kernel = module.one_token_delta_update
+        unavailable = "cannot build the native decoding kernel: {}. Decoding works without it (the Python path)."
+        _kernel = _build("ddl_hf_one_token_delta", _SOURCE, unavailable, verbose).one_token_delta_update
     return _kernel
+
+
+def load_tc_read_kernel(verbose: bool = False) -> Any:
+    """Build (first call; torch caches the build) and return the native TC read: an extension module with
+    `tc_read_forward` and `tc_read_backward` (`delta_ops.temporal_conv_read` calls them)."""
+    global _tc_read
+    if _tc_read is None:
+        unavailable = "cannot build the native TC read: {}. Training works without it (tensor ops)."
+        _tc_read = _build("ddl_hf_tc_read", _TC_READ_SOURCE, unavailable, verbose)
+    return _tc_read
+
+
+def _build(name: str, source: Path, unavailable: str, verbose: bool) -> Any:
+    """Compile `source` as extension `name` (cached by torch); `unavailable` formats the error that names what is
+    missing."""
+    problem = native_build_problem()
+    if problem is not None:
+        raise NativeKernelUnavailable(unavailable.format(problem))
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(source)], extra_cflags=_FLAGS, verbose=verbose)
 
 
 def _delta_residuals(model: nn.Module) -> list[nn.Module]:
@@ -96,4 +122,38 @@ def disable_native_decoding(model: nn.Module) -> nn.Module:
     """Back to the Python host path for every Delta residual of `model`; returns `model`."""
     for residual in _delta_residuals(model):
         residual.__dict__.pop("one_token_kernel", None)
+    return model
+
+
+def _tc_reads(model: nn.Module) -> list[nn.Module]:
+    # Duck-typed like `_delta_residuals`: the TC convolutions of an expanded state (d_v > 1 reads through them).
+    return [
+        module
+        for module in model.modules()
+        if hasattr(type(module), "native_read") and module.kind == "temporal_conv" and module.weight.shape[1] > 1
+    ]
+
+
+def enable_native_tc_read(model: nn.Module, verbose: bool = False) -> nn.Module:
+    """Make every TC read of `model` (`delta_state_read="temporal_conv"`, and its TC read-out) run the native one-pass
+    kernel, forward and backward, where it applies (CPU float32 / float64, not compiling); returns `model`.
+
+    Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
+    without a TC read of an expanded state."""
+    reads = _tc_reads(model)
+    if not reads:
+        raise ValueError(
+            f"{type(model).__name__} has no TC read of an expanded state (delta_state_read='temporal_conv' with "
+            "delta_value_channels > 1): nothing for the native TC read to do."
+        )
+    kernel = load_tc_read_kernel(verbose)
+    for read in reads:
+        read.native_read = kernel
+    return model
+
+
+def disable_native_tc_read(model: nn.Module) -> nn.Module:
+    """Back to `temporal_conv_read`'s tensor ops for every TC read of `model`; returns `model`."""
+    for read in _tc_reads(model):
+        read.__dict__.pop("native_read", None)
     return model
