@@ -9,7 +9,10 @@ T = 64. Time: the best of several runs. Memory, measured after all timings: peak
 memory before one more call (VmHWM, reset through /proc/self/clear_refs; glibc malloc is then told to mmap every
 block >= 64 KiB and to trim, so that freed tensors leave RSS and every length starts from the same baseline).
 Generation: a 2-layer DeltaGPT (n_embd 256, 4 heads) with each token mixer; after prefilling L tokens, the median
-time of 16 single-token steps with the cache, and the size of the cache.
+time of 16 single-token steps with the cache, and the size of the cache. Training: the same two models (same Delta
+residuals, only the token mixer differs), one training step (forward, backward, AdamW) at batch 1 and T = 256 and
+2048, as the ratio DeltaNet / softmax attention of process CPU time (median of interleaved pairs, as in
+`bench_overhead.py`).
 
 Goals: chunkwise >= 5x faster than the recurrent loop at T = 2048; chunkwise time at T = 8192 <= 9x T = 1024;
 DeltaNet time per generated token flat in the context length.
@@ -42,6 +45,8 @@ METHODS = ("chunkwise", "recurrent", "sdpa")
 PASSES = ("forward", "forward+backward")
 GEN_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 GEN_STEPS = 16
+TRAIN_LENGTHS = (256, 2048)
+TRAIN_PAIRS = 5
 
 
 def make_inputs(seq_len: int, requires_grad: bool) -> list[torch.Tensor]:
@@ -125,17 +130,46 @@ def measure(method: str, backward: bool, lengths: tuple[int, ...], threads: int)
     return json.loads(output.strip().splitlines()[-1])
 
 
-def generation_per_token(mixer: str, contexts: tuple[int, ...]) -> list[dict]:
-    """Prefill `context` tokens, then time GEN_STEPS single-token steps with the cache."""
+def mixer_model(mixer: str, positions: int):
+    """A 2-layer DeltaGPT (n_embd 256, 4 heads) with the given token mixer; the same seed for both mixers."""
     import ddl_hf  # noqa: F401
     from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 
     torch.manual_seed(0)
     config = DeltaGPTConfig(
-        vocab_size=1024, n_positions=max(contexts) + GEN_STEPS, n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS,
+        vocab_size=1024, n_positions=positions, n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS,
         token_mixer=mixer, delta_beta_init=0.5,
     )  # fmt: skip
-    model = DeltaGPTForCausalLM(config).eval()
+    return DeltaGPTForCausalLM(config)
+
+
+def training_step_ratio(lengths: tuple[int, ...], pairs: int) -> list[dict]:
+    """DeltaNet / softmax attention: one training step of each model at batch 1, interleaved pairs."""
+    from bench_overhead import interleaved, train_step_fn
+
+    rows = []
+    for seq_len in lengths:
+        ids = torch.randint(0, 1024, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        attention, delta_net = (mixer_model(mixer, seq_len) for mixer in ("attention", "delta_net"))
+        timing = interleaved(train_step_fn(attention, ids)[0], train_step_fn(delta_net, ids)[0], pairs)
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "attention_s": timing["gpt2_s"],
+                "delta_net_s": timing["delta_s"],
+                "ratio": timing["ratio"],
+                "ratio_min": timing["ratio_min"],
+                "ratio_max": timing["ratio_max"],
+                "pairs": pairs,
+            }
+        )
+        print(f"training step T={seq_len}: DeltaNet / attention {timing['ratio']:.3f}", flush=True)
+    return rows
+
+
+def generation_per_token(mixer: str, contexts: tuple[int, ...]) -> list[dict]:
+    """Prefill `context` tokens, then time GEN_STEPS single-token steps with the cache."""
+    model = mixer_model(mixer, max(contexts) + GEN_STEPS).eval()
     rows = []
     with torch.no_grad():
         model(torch.randint(0, 1024, (1, 64)), use_cache=True)  # warm-up
@@ -195,6 +229,14 @@ def markdown(results: dict) -> str:
             f"| {d_row['context']} | {d_row['ms_per_token']:.2f} | {d_row['cache_mib']:.2f} MiB "
             f"| {a_row['ms_per_token']:.2f} | {a_row['cache_mib']:.2f} MiB |"
         )
+    lines += ["", "## Training step: DeltaNet mixer / softmax attention (2-layer model, n_embd 256, batch 1)", ""]
+    lines += ["Process CPU time, median of interleaved pairs [smallest, largest pair].", ""]
+    lines += ["| T | attention s | DeltaNet s | DeltaNet / attention |", "|---:|---:|---:|---:|"]
+    for row in results["training"]:
+        lines.append(
+            f"| {row['seq_len']} | {row['attention_s']:.3f} | {row['delta_net_s']:.3f} | {row['ratio']:.3f} "
+            f"[{row['ratio_min']:.3f}, {row['ratio_max']:.3f}] |"
+        )
     lines += ["", "## Goals", ""]
     lines += [f"- {name}: {value}" for name, value in results["goals"].items()]
     return "\n".join(lines) + "\n"
@@ -246,6 +288,9 @@ def main() -> None:
                 results["ops"][f"{method}/{pass_name}/{seq_len}"] = row
                 print(f"{method}/{pass_name}/{seq_len}", f"{1e3 * row['time_s']:.1f} ms", row["peak_mib"], flush=True)
     results["generation"] = {mixer: generation_per_token(mixer, contexts) for mixer in ("delta_net", "attention")}
+    results["training"] = training_step_ratio(
+        (64, 128) if args.quick else TRAIN_LENGTHS, 1 if args.quick else TRAIN_PAIRS
+    )
     results["goals"] = goals(results)
     results["wall_s"] = time.perf_counter() - started
     report = markdown(results)
