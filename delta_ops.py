@@ -186,20 +186,36 @@ def _fused_delta_forward(
 
 
 class _FusedDeltaUpdate(torch.autograd.Function):
-    """One autograd node per Delta block with a hand-derived backward (see the formulas above)."""
+    """One autograd node per Delta block with a hand-derived backward (see the formulas above). `kernel`
+    (`ddl_hf.native`'s training kernels, or None) runs the same forward and backward in one pass over the state."""
 
     @staticmethod
-    def forward(ctx, state, h, beta, value, eps, additive, erase):
-        out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive, erase)
+    def forward(ctx, state, h, beta, value, eps, additive, erase, kernel):
+        if kernel is not None:
+            out, r, hx = kernel.delta_update_forward(*_native_layout(state, h, beta, value), eps, additive, erase)
+            out = out.view(state.shape)
+        else:
+            out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive, erase)
         # Write-only never reads X after the forward pass: it is not saved.
         ctx.save_for_backward(state if erase else None, h, beta, value, r, hx)
-        ctx.additive, ctx.erase, ctx.state_dtype = additive, erase, state.dtype
+        ctx.additive, ctx.erase, ctx.state_dtype, ctx.eps, ctx.kernel = additive, erase, state.dtype, eps, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         state, h, beta, value, r, hx = ctx.saved_tensors
         erase = ctx.erase
+        if ctx.kernel is not None:
+            grad_flat, h_flat, beta_flat, value_flat = _native_layout(grad_out, h, beta, value)
+            x_flat = None if state is None else state.reshape(grad_flat.shape)
+            needs = list(ctx.needs_input_grad[:4])
+            grads = ctx.kernel.delta_update_backward(
+                grad_flat, x_flat, h_flat, beta_flat, value_flat, r, hx, ctx.eps, ctx.additive, erase, needs
+            )
+            shaped = (
+                g.view(like.shape) if need else None for g, like, need in zip(grads, (grad_out, h, beta, value), needs)
+            )
+            return (*shaped, None, None, None, None)
         g, hf = at_least_float32(grad_out), at_least_float32(h)
         keepdim = beta.dim() == h.dim()  # beta `[..., 1]` rather than `[...]`
         b = beta if keepdim else beta.unsqueeze(-1)
@@ -220,7 +236,37 @@ class _FusedDeltaUpdate(torch.autograd.Function):
             grad_h = grad_h.to(h.dtype)
         grad_beta = (r * hg * residual).sum(-1, keepdim=keepdim) if ctx.needs_input_grad[2] else None
         grad_value = b_kg if ctx.needs_input_grad[3] else None
-        return grad_state, grad_h, grad_beta, grad_value, None, None, None
+        return grad_state, grad_h, grad_beta, grad_value, None, None, None, None
+
+
+def _native_layout(state, h, beta, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """state, h, beta, value as the native update takes them: `[N, D, d_v]`, `[N, D]`, `[N]`, `[N, d_v]` (d_v = 1
+    for a vector state). Views where the tensors are contiguous."""
+    dim, channels = h.shape[-1], value.shape[-1]
+    tokens = h.numel() // dim
+    return (
+        state.reshape(tokens, dim, channels),
+        h.reshape(tokens, dim),
+        beta.reshape(tokens),
+        value.reshape(tokens, channels),
+    )
+
+
+def _native_update_applies(state, h, beta, value) -> bool:
+    """The native update takes tensors of one dtype, shaped as `_fused_delta_forward` is called by the model (no
+    broadcasting), where `_native_applies`."""
+    expanded = state.dim() == h.dim() + 1
+    channels = state.shape[-1] if expanded else 1
+    return (
+        _native_applies(state)
+        and h.dim() >= 1
+        and h.shape[-1] > 0
+        and state.dtype == h.dtype == beta.dtype == value.dtype
+        and (expanded or state.dim() == h.dim())
+        and state.shape[: h.dim()] == h.shape
+        and value.shape == (*h.shape[:-1], channels)
+        and beta.shape in (h.shape[:-1], (*h.shape[:-1], 1))
+    )
 
 
 def fused_delta_update(
@@ -231,17 +277,24 @@ def fused_delta_update(
     eps: float,
     additive: bool,
     erase: bool = True,
+    kernel: Any = None,
 ) -> torch.Tensor:
     """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
 
     `beta` is `[...]`, or `[..., 1]` as `delta_gate` makes it (saves a reshape per call when decoding). Under
     autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain function
-    (no node, fewest ops: what generation runs).
+    (no node, fewest ops: what generation runs). `kernel`: the optional native training kernels
+    (`ddl_hf.native.enable_native_training`), used where `_native_update_applies`.
     """
+    if kernel is not None and not _native_update_applies(state, branch_output, beta, value):
+        kernel = None
     if torch.is_grad_enabled() and (
         state.requires_grad or branch_output.requires_grad or beta.requires_grad or value.requires_grad
     ):
-        return _FusedDeltaUpdate.apply(state, branch_output, beta, value, eps, additive, erase)
+        return _FusedDeltaUpdate.apply(state, branch_output, beta, value, eps, additive, erase, kernel)
+    if kernel is not None:
+        flat = _native_layout(state, branch_output, beta, value)
+        return kernel.delta_update_forward(*flat, eps, additive, erase)[0].view(state.shape)
     return _fused_delta_forward(state, branch_output, beta, value, eps, additive, erase)[0]
 
 
@@ -400,7 +453,7 @@ def temporal_conv_read(
     x `[B, T, D, d_v]`, weight `[D, d_v, K]` (the kernels already scaled by the read vector), past `[B, K - 1, D,
     d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The readable
     definition is the expression above (tests compare them, values and gradients, in float64). `kernel`: the
-    optional native TC read (`ddl_hf.native.enable_native_tc_read`), used where `_native_applies`."""
+    optional native training kernels (`ddl_hf.native.enable_native_training`), used where `_native_applies`."""
     if kernel is not None and not _native_applies(x):
         kernel = None
     return _TemporalConvRead.apply(x, weight, past, same_document, kernel)

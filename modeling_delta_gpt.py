@@ -158,8 +158,8 @@ class DeltaStateConv(nn.Module):
     Initialised by the model: the identity (conversion) or an average (the reference code's from-scratch choice).
     """
 
-    # The native one-pass TC read (`ddl_hf.native.enable_native_tc_read`), an extension with `tc_read_forward` /
-    # `tc_read_backward`. Optional: None (the default) keeps `temporal_conv_read`'s tensor ops.
+    # The native training kernels (`ddl_hf.native.enable_native_training`): the TC read in one pass over the state,
+    # forward and backward. Optional: None (the default) keeps `temporal_conv_read`'s tensor ops.
     native_read: Any = None
 
     def __init__(self, kind: str, hidden_size: int, value_channels: int, size: int):
@@ -199,7 +199,7 @@ class DeltaStateConv(nn.Module):
 
     def __getstate__(self) -> dict:
         """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native read, a compiled extension that cannot
-        be pickled: the copy reads with tensor ops (the same values) until `enable_native_tc_read` is called on it."""
+        be pickled: the copy reads with tensor ops (the same values) until `enable_native_training` is called on it."""
         state = super().__getstate__().copy()
         state.pop("native_read", None)
         return state
@@ -301,6 +301,9 @@ class DeltaResidual(nn.Module):
     # A native one-token update (`ddl_hf.native.enable_native_decoding`): one call instead of `_update_one_token`'s
     # ~14 tensor calls. Optional: None (the default) keeps the Python host path.
     one_token_kernel: Callable | None = None
+    # The native training kernels (`ddl_hf.native.enable_native_training`): the fused update in one pass over the
+    # state, forward and backward. Optional: None keeps `fused_delta_update`'s tensor ops.
+    native_update: Any = None
 
     def __init__(self, config: DeltaGPTConfig, owns_read: bool = True):
         super().__init__()
@@ -345,6 +348,7 @@ class DeltaResidual(nn.Module):
         `ddl_hf.native.enable_native_decoding` is called on it."""
         state = super().__getstate__().copy()
         state.pop("one_token_kernel", None)
+        state.pop("native_update", None)
         return state
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
@@ -475,7 +479,9 @@ class DeltaResidual(nn.Module):
         else:
             value = beta.new_full((*beta.shape[:-1], self.value_channels), self.value_constant)
         if self.fused:
-            new_state = fused_delta_update(state, branch_output, beta, value, self.eps, self.additive, self.erase)
+            new_state = fused_delta_update(
+                state, branch_output, beta, value, self.eps, self.additive, self.erase, self.native_update
+            )
         else:
             k = unit_direction(branch_output, self.eps)
             branch = branch_output if self.additive else None

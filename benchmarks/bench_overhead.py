@@ -48,7 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import provenance, write_results
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
-from ddl_hf.native import disable_native_decoding, enable_native_decoding, native_build_problem
+from ddl_hf.native import (
+    disable_native_decoding,
+    disable_native_training,
+    enable_native_decoding,
+    enable_native_training,
+    native_build_problem,
+)
 
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
@@ -307,7 +313,8 @@ def bench_variant(
     fields: dict | None = None,
     native: bool = False,
 ) -> dict:
-    """One row; `native`: also decode at batch 1 with `ddl_hf.native`'s kernel (`generation_b1_native`)."""
+    """One row; `native`: also train with `ddl_hf.native`'s training kernels (`train_step_native`) and decode at
+    batch 1 with its decoding kernel (`generation_b1_native`)."""
     shape = SHAPES[shape_name]
     gpt2, delta = build_pair(shape, value_channels, mode, fields)
     g = torch.Generator().manual_seed(1)
@@ -319,6 +326,10 @@ def bench_variant(
     step_a, opt_a = train_step_fn(gpt2, ids)
     step_b, opt_b = train_step_fn(delta, ids)
     row["train_step"] = interleaved(step_a, step_b, pairs)
+    if native:  # the same steps again, the Delta update and TC read with the native training kernels
+        enable_native_training(delta)
+        row["train_step_native"] = interleaved(step_a, step_b, pairs)
+        disable_native_training(delta)
     del step_a, step_b
     mem_ids = torch.randint(0, shape["vocab_size"], (shape["memory_batch"], shape["seq"]), generator=g)
     step_a, _ = train_step_fn(gpt2, mem_ids, opt_a)
@@ -430,10 +441,10 @@ def goal_lines(rows: list[dict]) -> list[str]:
     checks = [
         (shape, metric, d_v, goal, base) for (shape, metric), goals in GOALS.items() for d_v, goal in goals.items()
     ]
-    checks += [  # decoding again with the optional native kernel (ddl_hf.native), against the same goal
+    checks += [  # training and decoding again with the optional native kernels (ddl_hf.native), same goals
         (shape, metric + "_native", d_v, goal, base)
         for (shape, metric), goals in GOALS.items()
-        if metric == "generation_b1"
+        if metric in ("train_step", "generation_b1")
         for d_v, goal in goals.items()
     ]
     checks += [
@@ -459,9 +470,9 @@ def markdown(results: dict) -> str:
         "is better; generation: time per token), median of interleaved pairs; peak memory and saved activations at "
         "the memory batch. The `gpt2` columns of the JSON hold the baseline of either kind.",
         "",
-        "| shape | d_v | mode | variant | train step | inference fwd | gen/token b=1 | gen/token b=1 native "
-        "| gen/token b=8 | peak train mem | saved activations | params |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | d_v | mode | variant | train step | train step native | inference fwd | gen/token b=1 "
+        "| gen/token b=1 native | gen/token b=8 | peak train mem | saved activations | params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     eager = [r for r in results["rows"] if not r.get("compiled")]
     compiled = [r for r in results["rows"] if r.get("compiled")]
@@ -469,7 +480,9 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {shape_label(r)} "
             f"| {r['d_v']} | {r['mode']} | {r.get('variant') or '-'} "
-            f"| {r['train_step']['ratio']:.3f} | {r['inference_forward']['ratio']:.3f} "
+            f"| {r['train_step']['ratio']:.3f} "
+            f"| {format(r['train_step_native']['ratio'], '.3f') if 'train_step_native' in r else '-'} "
+            f"| {r['inference_forward']['ratio']:.3f} "
             f"| {r['generation_b1']['ratio']:.3f} "
             f"| {format(r['generation_b1_native']['ratio'], '.3f') if 'generation_b1_native' in r else '-'} "
             f"| {r['generation_b8']['ratio']:.3f} "
@@ -562,7 +575,8 @@ def main() -> None:
     parser.add_argument(
         "--native",
         action=argparse.BooleanOptionalAction,
-        help="also decode at batch 1 with the optional native kernel, ddl_hf.native (default: on where it builds)",
+        help="also train with the optional native training kernels and decode at batch 1 with the native decoding "
+        "kernel, ddl_hf.native (default: on where they build)",
     )
     parser.add_argument(
         "--noise-floor",
@@ -608,7 +622,10 @@ def main() -> None:
                     shape_name, value_channels, mode, pairs, gen_pairs, gen_tokens, variant, fields, native
                 )
                 if "generation_b1_native" in row:
-                    print(f"  native gen1 {row['generation_b1_native']['ratio']:.3f}", flush=True)
+                    native_train = row["train_step_native"]["ratio"]
+                    print(
+                        f"  native train {native_train:.3f} gen1 {row['generation_b1_native']['ratio']:.3f}", flush=True
+                    )
                 summary = (
                     f"train {row['train_step']['ratio']:.3f} fwd {row['inference_forward']['ratio']:.3f} "
                     f"gen1 {row['generation_b1']['ratio']:.3f} gen8 {row['generation_b8']['ratio']:.3f} "

@@ -1,8 +1,8 @@
-"""The TC read's cost, one pass (`temporal_conv_read`, with tensor ops and with the optional native kernel of
-`ddl_hf.native` where it builds) against its definition (convolution, then the sum over the value channels), beside
-GPT-2 in one process: training-step CPU time and saved activations, as ratios to GPT-2; and greedy decoding at
-batch 1, the one-token window read (`temporal_conv_read_window`) against the per-tap one pass it replaced for that
-step.
+"""The TC read's cost, one pass (`temporal_conv_read`, with tensor ops and with the optional native TC read of
+`ddl_hf.native` alone, where it builds) against its definition (convolution, then the sum over the value
+channels), beside GPT-2 in one process: training-step CPU time and saved activations, as ratios to GPT-2; and greedy
+decoding at batch 1, the one-token window read (`temporal_conv_read_window`) against the per-tap one pass it
+replaced for that step.
 
     python benchmarks/bench_tc_read.py             # small shape (L4 D256 T256 B8), d_v = 4, paper mode
     python benchmarks/bench_tc_read.py --quick     # tiny shape, a few pairs
@@ -21,8 +21,8 @@ from _common import provenance, write_results
 from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_step_fn
 
 from ddl_hf.delta_ops import temporal_conv_read
-from ddl_hf.modeling_delta_gpt import DeltaConvContext
-from ddl_hf.native import disable_native_tc_read, enable_native_tc_read, native_build_problem
+from ddl_hf.modeling_delta_gpt import DeltaConvContext, DeltaStateConv
+from ddl_hf.native import load_training_kernels, native_build_problem
 
 VARIANTS = {
     "TC": dict(delta_state_read="temporal_conv"),
@@ -42,6 +42,12 @@ def per_tap(self: DeltaConvContext, x: torch.Tensor, key: str, weight: torch.Ten
     size = weight.shape[-1]
     history = self.history(x, key, size)
     return temporal_conv_read(history[:, size - 1 :], weight, history[:, : size - 1])
+
+
+def set_native_read(model: torch.nn.Module, kernels) -> None:
+    for module in model.modules():
+        if isinstance(module, DeltaStateConv):
+            module.native_read = kernels
 
 
 def saved_mib(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -80,14 +86,14 @@ def main(argv: list[str] | None = None) -> dict:
             reads.insert(0, ("native one pass", ONE_PASS, True))
         for read, implementation, native in reads:
             DeltaConvContext.convolve_read = implementation
-            if native:
-                enable_native_tc_read(delta)
+            if native:  # the native TC read alone (enable_native_training would also swap the Delta update's ops)
+                set_native_read(delta, load_training_kernels())
             try:
                 step = interleaved(step_a, step_b, pairs)
                 saved = saved_mib(delta, ids)
             finally:
                 DeltaConvContext.convolve_read = ONE_PASS
-                disable_native_tc_read(delta)
+                set_native_read(delta, None)
             row = {
                 "shape": shape_name,
                 "variant": variant,

@@ -6,7 +6,8 @@ The extra CPU time is split by the autograd Functions that hold the Delta math: 
 gate and value projections, CC's folded read, EC's expansion, the linear read, AdamW on the Delta parameters, the
 Python around them) is the difference that remains. The profiler's own cost per operator inflates every total a
 little (both models alike); the shares, not the milliseconds, are what to read. Where the optional native kernel
-builds (`ddl_hf.native`), TC and TC+EC are profiled again with the native TC read.
+builds (`ddl_hf.native`), every variant is profiled again with the native training kernels (the Delta update and
+the TC read).
 
     python benchmarks/profile_variant_step.py            # small shape (L4 D256 T256 B8), 9 profiled steps each
     python benchmarks/profile_variant_step.py --quick    # tiny shape, 1 step
@@ -27,7 +28,7 @@ from bench_overhead import SHAPES, build_pair, train_step_fn
 from torch.profiler import ProfilerActivity, profile
 from transformers.utils import logging as hf_logging
 
-from ddl_hf.native import enable_native_tc_read, native_build_problem
+from ddl_hf.native import enable_native_training, native_build_problem
 
 VARIANTS = {
     "linear read": {},
@@ -36,7 +37,6 @@ VARIANTS = {
     "EC": dict(delta_embed_expand="conv"),
     "TC+EC": dict(delta_state_read="temporal_conv", delta_embed_expand="conv"),
 }
-NATIVE = ("TC", "TC+EC")  # also profiled with the optional native TC read (ddl_hf.native), where it builds
 # Named parts: the profiler events of the Delta math's autograd Functions (forward, then backward).
 PARTS = {
     "Delta update": ("_FusedDeltaUpdate", "_FusedDeltaUpdateBackward"),
@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     runs = [(variant, fields, False) for variant, fields in VARIANTS.items()]
     if native_build_problem() is None:
-        runs += [(f"{variant}, native read", VARIANTS[variant], True) for variant in NATIVE]
+        runs += [(f"{variant}, native", fields, True) for variant, fields in VARIANTS.items()]
     for variant, fields, native in runs:
         gpt2, delta = build_pair(shape, 4, "paper", fields)
         if native:
-            enable_native_tc_read(delta)
+            enable_native_training(delta)
         base_step, delta_step = train_step_fn(gpt2, ids)[0], train_step_fn(delta, ids)[0]
         for step in (base_step, delta_step, base_step, delta_step):  # warm-up: allocator, AdamW state
             step()

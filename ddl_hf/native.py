@@ -15,14 +15,14 @@ the Hub model files import only torch and transformers, and a model without it g
 `torch.save(model)` and `copy.deepcopy(model)` leave the kernel out (a compiled function cannot be pickled): the copy
 decodes on the Python host path until `enable_native_decoding` is called on it.
 
-A second kernel serves training: `csrc/tc_read.cpp` reads the expanded state through the TC convolution and the
-read vector in one pass over the state, forward and backward, where `delta_ops.temporal_conv_read` makes K in-place
-multiply-adds forward and 3K passes backward (docs/performance.md has the cost of both):
+Training kernels, `csrc/training.cpp`, serve training and full-sequence forwards: the fused Delta update and the TC
+read (`delta_state_read="temporal_conv"` with d_v > 1), each in one pass over the state, forward and backward, where
+the tensor ops make several (docs/performance.md has the cost of both):
 
-    from ddl_hf.native import enable_native_tc_read
-    enable_native_tc_read(model)    # every TC read of `model` (delta_state_read="temporal_conv", d_v > 1)
+    from ddl_hf.native import enable_native_training
+    enable_native_training(model)   # every Delta update and TC read of `model`
 
-It runs on CPU float32 / float64 tensors outside compile, export and jit tracing; elsewhere the tensor ops run.
+They run on CPU float32 / float64 tensors outside compile, export and jit tracing; elsewhere the tensor ops run.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from typing import Any
 from torch import nn
 
 _SOURCE = Path(__file__).parent / "csrc" / "one_token_delta.cpp"
-_TC_READ_SOURCE = Path(__file__).parent / "csrc" / "tc_read.cpp"
+_TRAINING_SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
 _FLAGS = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised loops, no OpenMP runtime
 _kernel: Callable | None = None
-_tc_read: Any = None
+_training: Any = None
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -78,14 +78,15 @@ def load_one_token_kernel(verbose: bool = False) -> Callable:
     return _kernel
 
 
-def load_tc_read_kernel(verbose: bool = False) -> Any:
-    """Build (first call; torch caches the build) and return the native TC read: an extension module with
-    `tc_read_forward` and `tc_read_backward` (`delta_ops.temporal_conv_read` calls them)."""
-    global _tc_read
-    if _tc_read is None:
-        unavailable = "cannot build the native TC read: {}. Training works without it (tensor ops)."
-        _tc_read = _build("ddl_hf_tc_read", _TC_READ_SOURCE, unavailable, verbose)
-    return _tc_read
+def load_training_kernels(verbose: bool = False) -> Any:
+    """Build (first call; torch caches the build) and return the native training kernels: an extension module with
+    `delta_update_forward` / `delta_update_backward` (`delta_ops.fused_delta_update` calls them) and
+    `tc_read_forward` / `tc_read_backward` (`delta_ops.temporal_conv_read`)."""
+    global _training
+    if _training is None:
+        unavailable = "cannot build the native training kernels: {}. Training works without them (tensor ops)."
+        _training = _build("ddl_hf_training", _TRAINING_SOURCE, unavailable, verbose)
+    return _training
 
 
 def _build(name: str, source: Path, unavailable: str, verbose: bool) -> Any:
@@ -134,26 +135,28 @@ def _tc_reads(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def enable_native_tc_read(model: nn.Module, verbose: bool = False) -> nn.Module:
-    """Make every TC read of `model` (`delta_state_read="temporal_conv"`, and its TC read-out) run the native one-pass
-    kernel, forward and backward, where it applies (CPU float32 / float64, not compiling); returns `model`.
+def enable_native_training(model: nn.Module, verbose: bool = False) -> nn.Module:
+    """Make every Delta update of `model`, and every TC read of an expanded state (the TC read-out's included), run
+    the native kernels, forward and backward, where they apply (CPU float32 / float64, not compiling); returns
+    `model`. Losses and gradients are those of the tensor ops (tests/test_native_training.py).
 
-    Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
-    without a TC read of an expanded state."""
-    reads = _tc_reads(model)
-    if not reads:
-        raise ValueError(
-            f"{type(model).__name__} has no TC read of an expanded state (delta_state_read='temporal_conv' with "
-            "delta_value_channels > 1): nothing for the native TC read to do."
-        )
-    kernel = load_tc_read_kernel(verbose)
-    for read in reads:
-        read.native_read = kernel
+    Raises `NativeKernelUnavailable` (naming what is missing) where they cannot be built, and ValueError for a model
+    without Delta residuals."""
+    residuals = _delta_residuals(model)
+    if not residuals:
+        raise ValueError(f"{type(model).__name__} has no Delta residuals (DeltaGPT / DeltaLlama models have).")
+    kernels = load_training_kernels(verbose)
+    for residual in residuals:
+        residual.native_update = kernels
+    for read in _tc_reads(model):
+        read.native_read = kernels
     return model
 
 
-def disable_native_tc_read(model: nn.Module) -> nn.Module:
-    """Back to `temporal_conv_read`'s tensor ops for every TC read of `model`; returns `model`."""
+def disable_native_training(model: nn.Module) -> nn.Module:
+    """Back to the tensor ops for every Delta update and TC read of `model`; returns `model`."""
+    for module in _delta_residuals(model):
+        module.__dict__.pop("native_update", None)
     for read in _tc_reads(model):
         read.__dict__.pop("native_read", None)
     return model

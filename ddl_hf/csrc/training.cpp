@@ -1,0 +1,341 @@
+// Native kernels for training and full-sequence forwards (ddl_hf.native.enable_native_training): the fused Delta
+// update and the TC read, each in one pass over the state, forward and backward.
+//
+// The Delta update: the same math as delta_ops._fused_delta_forward and _FusedDeltaUpdate.backward. Per token, with
+// X [D, d_v], h [D], beta, v [d_v]: r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode;
+// without erase v - r h^T X is v), X' = X + h s^T. The tensor ops pass over X and over its gradient several times
+// (h^T X, the multiply-add; h^T g, dX, and two contractions over d_v for dh); here each token's row is read once and
+// stays in cache while it is used. Sums run in the dtype's math type (float32: float). beta == 0 gives X + h (additive) or X (paper) bit
+// for bit, as in the tensor ops.
+//
+// The TC read: the same math as delta_ops.temporal_conv_read: out[b, t, d] = sum_j sum_c x(b, t - lag_j)[d, c]
+// w[d, c, j], lag_j = K - 1 - j, where rows before x come from `past` (the cached window; zeros when absent) and a
+// tap j with same_document[b, t, j] false reads nothing (packed rows). The tensor ops make K in-place multiply-adds
+// over the state forward and 3K passes backward; here each (b, t) row of x, grad_out and grad_x is touched once, and
+// the last K rows stay in cache for the taps that read them again.
+#include <torch/extension.h>
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+struct Taps {
+  int64_t batch, steps, dim, channels, size;
+  const bool* same_document;  // [B, T, K] or nullptr
+  bool reads(int64_t b, int64_t t, int64_t j) const {
+    return same_document == nullptr || same_document[(b * steps + t) * size + j];
+  }
+};
+
+// Row `s` (may be negative: a past row) of sequence b, as a pointer to its [D, d_v] slab, or nullptr (zeros).
+template <typename T>
+const T* row(const T* x, const T* past, const Taps& taps, int64_t b, int64_t s) {
+  const int64_t slab = taps.dim * taps.channels;
+  if (s >= 0) return x + (b * taps.steps + s) * slab;
+  if (past == nullptr) return nullptr;
+  return past + (b * (taps.size - 1) + (taps.size - 1 + s)) * slab;
+}
+
+// The kernels work on i = d * d_v + c, contiguous in x, with the weight as wt [K, D * d_v] (wt[j, i] = w[d, c, j]):
+// every inner loop runs over contiguous memory and vectorises (-O3, omp simd).
+template <typename T>
+void forward(const T* x, const T* wt, const T* past, const Taps& taps, T* out) {
+  const int64_t D = taps.dim, V = taps.channels, K = taps.size, slab = D * V;
+  at::parallel_for(0, taps.batch * taps.steps, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> products(slab);
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / taps.steps, t = bt % taps.steps;
+      T* __restrict__ p = products.data();
+      std::fill(p, p + slab, T(0));
+      for (int64_t j = 0; j < K; ++j) {
+        const T* __restrict__ s = taps.reads(b, t, j) ? row(x, past, taps, b, t - (K - 1 - j)) : nullptr;
+        if (s == nullptr) continue;
+        const T* __restrict__ wj = wt + j * slab;
+#pragma omp simd
+        for (int64_t i = 0; i < slab; ++i) p[i] += s[i] * wj[i];
+      }
+      T* __restrict__ o = out + bt * D;
+      for (int64_t d = 0; d < D; ++d) {
+        T sum = 0;
+        for (int64_t c = 0; c < V; ++c) sum += p[d * V + c];
+        o[d] = sum;
+      }
+    }
+  });
+}
+
+// grad_x[b, t - lag_j] += g[b, t] wt[j] and grad_wt[j] += g[b, t] x(b, t - lag_j), for every (b, t, j) whose tap
+// reads (g broadcast over the d_v channels of each d). Parallel over blocks of hidden units: each thread owns its
+// grad_x and grad_wt entries.
+template <typename T>
+void backward(const T* g, const T* x, const T* wt, const T* past, const Taps& taps, T* grad_x, T* grad_wt) {
+  const int64_t D = taps.dim, V = taps.channels, K = taps.size, slab = D * V;
+  at::parallel_for(0, D, 32, [&](int64_t d_begin, int64_t d_end) {
+    const int64_t lo = d_begin * V, hi = d_end * V;
+    std::vector<T> spread(slab);  // g[b, t, d] at every i of d
+    for (int64_t b = 0; b < taps.batch; ++b) {
+      for (int64_t t = 0; t < taps.steps; ++t) {
+        const T* gt = g + (b * taps.steps + t) * D;
+        T* __restrict__ gs = spread.data();
+        for (int64_t d = d_begin; d < d_end; ++d)
+          for (int64_t c = 0; c < V; ++c) gs[d * V + c] = gt[d];
+        for (int64_t j = 0; j < K; ++j) {
+          if (!taps.reads(b, t, j)) continue;
+          const int64_t s = t - (K - 1 - j);
+          const T* __restrict__ wj = wt + j * slab;
+          if (grad_x != nullptr && s >= 0) {
+            T* __restrict__ gx = grad_x + (b * taps.steps + s) * slab;
+#pragma omp simd
+            for (int64_t i = lo; i < hi; ++i) gx[i] += gs[i] * wj[i];
+          }
+          const T* __restrict__ source = row(x, past, taps, b, s);
+          if (grad_wt != nullptr && source != nullptr) {
+            T* __restrict__ gw = grad_wt + j * slab;
+#pragma omp simd
+            for (int64_t i = lo; i < hi; ++i) gw[i] += gs[i] * source[i];
+          }
+        }
+      }
+    }
+  });
+}
+
+Taps taps_of(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& same_document) {
+  TORCH_CHECK(x.dim() == 4 && weight.dim() == 3, "tc_read: x [B, T, D, d_v] and weight [D, d_v, K]");
+  TORCH_CHECK(weight.size(0) == x.size(2) && weight.size(1) == x.size(3), "tc_read: weight does not match x");
+  return {x.size(0), x.size(1), x.size(2), x.size(3), weight.size(2),
+          same_document.has_value() ? same_document->data_ptr<bool>() : nullptr};
+}
+
+at::Tensor tc_read_forward(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& past_in,
+                           const c10::optional<at::Tensor>& same_document_in) {
+  const at::Tensor x = x_in.contiguous();
+  const c10::optional<at::Tensor> past = past_in.has_value() ? c10::optional<at::Tensor>(past_in->contiguous()) : past_in;
+  const c10::optional<at::Tensor> same_document =
+      same_document_in.has_value() ? c10::optional<at::Tensor>(same_document_in->contiguous()) : same_document_in;
+  const Taps taps = taps_of(x, weight, same_document);
+  const at::Tensor wt = weight.to(x.scalar_type()).permute({2, 0, 1}).contiguous();
+  at::Tensor out = at::empty({taps.batch, taps.steps, taps.dim}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tc_read_forward", [&] {
+    forward<scalar_t>(x.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(),
+                      past.has_value() ? past->data_ptr<scalar_t>() : nullptr, taps, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+std::vector<at::Tensor> tc_read_backward(const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
+                                         const c10::optional<at::Tensor>& past_in,
+                                         const c10::optional<at::Tensor>& same_document_in, bool need_x, bool need_w) {
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor g = grad_out.to(x.scalar_type()).contiguous();
+  const c10::optional<at::Tensor> past = past_in.has_value() ? c10::optional<at::Tensor>(past_in->contiguous()) : past_in;
+  const c10::optional<at::Tensor> same_document =
+      same_document_in.has_value() ? c10::optional<at::Tensor>(same_document_in->contiguous()) : same_document_in;
+  const Taps taps = taps_of(x, weight, same_document);
+  const at::Tensor wt = weight.to(x.scalar_type()).permute({2, 0, 1}).contiguous();
+  at::Tensor grad_x = need_x ? at::zeros_like(x) : at::Tensor();
+  at::Tensor grad_wt = need_w ? at::zeros_like(wt) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tc_read_backward", [&] {
+    backward<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(),
+                       past.has_value() ? past->data_ptr<scalar_t>() : nullptr, taps,
+                       need_x ? grad_x.data_ptr<scalar_t>() : nullptr, need_w ? grad_wt.data_ptr<scalar_t>() : nullptr);
+  });
+  return {grad_x, need_w ? grad_wt.permute({1, 2, 0}).contiguous() : grad_wt};
+}
+
+// ---- the Delta update --------------------------------------------------------------------------------------------
+
+struct Update {
+  int64_t tokens, dim, channels;
+  double eps;
+  bool additive, erase;
+};
+
+// Sums in the dtype's math type (float for float32, as the tensor ops do), so that the loops vectorise. kV > 0 is the
+// number of value channels known at compile time (the inner loops unroll and vectorise); 0 reads it from `u`.
+template <typename T, int kV>
+void update_forward(const T* x, const T* h, const T* beta, const T* value, const Update& u, T* out, T* r_out,
+                    T* hx_out) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t D = u.dim, V = kV > 0 ? kV : u.channels;
+  at::parallel_for(0, u.tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> hx(V), scale(V);
+    for (int64_t n = begin; n < end; ++n) {
+      const T* __restrict__ hn = h + n * D;
+      const T* __restrict__ xn = x + n * D * V;
+      acc_t hh = 0;
+#pragma omp simd reduction(+ : hh)
+      for (int64_t d = 0; d < D; ++d) hh += static_cast<acc_t>(hn[d]) * static_cast<acc_t>(hn[d]);
+      const acc_t r = acc_t(1) / std::sqrt(hh + static_cast<acc_t>(u.eps * u.eps));
+      acc_t* __restrict__ hxp = hx.data();
+      for (int64_t c = 0; c < V; ++c) hxp[c] = 0;
+      if (u.erase) {
+        for (int64_t d = 0; d < D; ++d) {
+          const acc_t hd = hn[d];
+          for (int64_t c = 0; c < V; ++c) hxp[c] += hd * static_cast<acc_t>(xn[d * V + c]);
+        }
+      }
+      const acc_t rb = r * static_cast<acc_t>(beta[n]);
+      acc_t* __restrict__ sp = scale.data();
+      for (int64_t c = 0; c < V; ++c) {
+        const acc_t coefficient = static_cast<acc_t>(value[n * V + c]) - (u.erase ? r * hxp[c] : acc_t(0));
+        sp[c] = u.additive ? acc_t(1) + rb * coefficient : rb * coefficient;
+        if (hx_out != nullptr) hx_out[n * V + c] = static_cast<T>(hxp[c]);
+      }
+      r_out[n] = static_cast<T>(r);
+      T* __restrict__ on = out + n * D * V;
+      for (int64_t d = 0; d < D; ++d) {
+        const acc_t hd = hn[d];
+        for (int64_t c = 0; c < V; ++c) on[d * V + c] = static_cast<T>(static_cast<acc_t>(xn[d * V + c]) + hd * sp[c]);
+      }
+    }
+  });
+}
+
+template <typename T, int kV>
+void update_backward(const T* g, const T* x, const T* h, const T* beta, const T* value, const T* r_in,
+                     const T* hx_in, const Update& u, T* grad_x, T* grad_h, T* grad_beta, T* grad_value) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t D = u.dim, V = kV > 0 ? kV : u.channels;
+  at::parallel_for(0, u.tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> hg(V), mix(V), erase(V);
+    for (int64_t n = begin; n < end; ++n) {
+      const T* __restrict__ hn = h + n * D;
+      const T* __restrict__ gn = g + n * D * V;
+      const T* __restrict__ xn = u.erase ? x + n * D * V : nullptr;
+      const acc_t r = r_in[n], b = beta[n];
+      acc_t* __restrict__ hgp = hg.data();
+      for (int64_t c = 0; c < V; ++c) hgp[c] = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const acc_t hd = hn[d];
+        for (int64_t c = 0; c < V; ++c) hgp[c] += hd * static_cast<acc_t>(gn[d * V + c]);
+      }
+      acc_t h_dot_dk = 0, dbeta = 0;
+      acc_t* __restrict__ mp = mix.data();
+      acc_t* __restrict__ ep = erase.data();
+      for (int64_t c = 0; c < V; ++c) {
+        const acc_t hx = u.erase ? static_cast<acc_t>(hx_in[n * V + c]) : acc_t(0);
+        const acc_t residual = static_cast<acc_t>(value[n * V + c]) - r * hx;  // v - k^T X (hx = 0 without erase)
+        const acc_t b_kg = b * r * hgp[c];  // beta k^T g = dL/dv
+        const acc_t coefficient = b * residual;
+        mp[c] = u.additive ? r * coefficient + acc_t(1) : r * coefficient;
+        ep[c] = u.erase ? -r * b_kg : acc_t(0);
+        h_dot_dk += hgp[c] * coefficient - hx * b_kg;
+        dbeta += r * hgp[c] * residual;
+        if (grad_value != nullptr) grad_value[n * V + c] = static_cast<T>(b_kg);
+      }
+      if (grad_beta != nullptr) grad_beta[n] = static_cast<T>(dbeta);
+      const acc_t radial = r * r * r * h_dot_dk;
+      T* __restrict__ gxn = grad_x != nullptr ? grad_x + n * D * V : nullptr;
+      T* __restrict__ ghn = grad_h != nullptr ? grad_h + n * D : nullptr;
+      if (gxn != nullptr) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          const acc_t hd = hn[d];
+          for (int64_t c = 0; c < V; ++c) gxn[d * V + c] = static_cast<T>(static_cast<acc_t>(gn[d * V + c]) + hd * ep[c]);
+        }
+      }
+      if (ghn != nullptr && xn != nullptr) {  // two loops, not a branch per d: each vectorises
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          acc_t dh = -static_cast<acc_t>(hn[d]) * radial;
+          for (int64_t c = 0; c < V; ++c)
+            dh += static_cast<acc_t>(gn[d * V + c]) * mp[c] + static_cast<acc_t>(xn[d * V + c]) * ep[c];
+          ghn[d] = static_cast<T>(dh);
+        }
+      } else if (ghn != nullptr) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          acc_t dh = -static_cast<acc_t>(hn[d]) * radial;
+          for (int64_t c = 0; c < V; ++c) dh += static_cast<acc_t>(gn[d * V + c]) * mp[c];
+          ghn[d] = static_cast<T>(dh);
+        }
+      }
+    }
+  });
+}
+
+// Calls body<kV>() with kV the number of value channels where it is a common one (compile-time loops), else 0.
+template <typename Body>
+void with_channels(int64_t channels, Body body) {
+  switch (channels) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 4: return body(std::integral_constant<int, 4>{});
+    case 8: return body(std::integral_constant<int, 8>{});
+    default: return body(std::integral_constant<int, 0>{});
+  }
+}
+
+Update update_of(const at::Tensor& x, const at::Tensor& h, const at::Tensor& beta, const at::Tensor& value, double eps,
+                 bool additive, bool erase) {
+  TORCH_CHECK(x.dim() == 3 && h.dim() == 2 && beta.dim() == 1 && value.dim() == 2,
+              "delta_update: state [N, D, d_v], h [N, D], beta [N], value [N, d_v]");
+  TORCH_CHECK(h.size(0) == x.size(0) && h.size(1) == x.size(1) && beta.size(0) == x.size(0) &&
+                  value.size(0) == x.size(0) && value.size(1) == x.size(2),
+              "delta_update: sizes do not fit together");
+  TORCH_CHECK(h.scalar_type() == x.scalar_type() && beta.scalar_type() == x.scalar_type() &&
+                  value.scalar_type() == x.scalar_type(),
+              "delta_update: state, h, beta and value must share one dtype");
+  return {x.size(0), x.size(1), x.size(2), eps, additive, erase};
+}
+
+std::vector<at::Tensor> delta_update_forward(const at::Tensor& x_in, const at::Tensor& h_in, const at::Tensor& beta_in,
+                                             const at::Tensor& value_in, double eps, bool additive, bool erase) {
+  const at::Tensor x = x_in.contiguous(), h = h_in.contiguous(), beta = beta_in.contiguous(),
+                   value = value_in.contiguous();
+  const Update u = update_of(x, h, beta, value, eps, additive, erase);
+  at::Tensor out = at::empty_like(x), r = at::empty({u.tokens}, x.options());
+  at::Tensor hx = erase ? at::empty({u.tokens, u.channels}, x.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "delta_update_forward", [&] {
+    with_channels(u.channels, [&](auto channels) {
+      update_forward<scalar_t, decltype(channels)::value>(
+          x.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), u,
+          out.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), erase ? hx.data_ptr<scalar_t>() : nullptr);
+    });
+  });
+  return {out, r, hx};
+}
+
+std::vector<at::Tensor> delta_update_backward(const at::Tensor& grad_out, const c10::optional<at::Tensor>& x_in,
+                                              const at::Tensor& h_in, const at::Tensor& beta_in,
+                                              const at::Tensor& value_in, const at::Tensor& r_in,
+                                              const c10::optional<at::Tensor>& hx_in, double eps, bool additive,
+                                              bool erase, std::vector<bool> needs) {
+  TORCH_CHECK(!erase || (x_in.has_value() && hx_in.has_value()), "delta_update_backward: erase needs X and h^T X");
+  const at::Tensor h = h_in.contiguous(), beta = beta_in.contiguous(), value = value_in.contiguous(),
+                   r = r_in.contiguous();
+  const at::Tensor g = grad_out.to(h.scalar_type()).contiguous();
+  const at::Tensor x = erase ? x_in->contiguous() : g;  // without erase X is not read: g stands in for its shape
+  const at::Tensor hx = erase ? hx_in->contiguous() : at::Tensor();
+  const Update u = update_of(x, h, beta, value, eps, additive, erase);
+  at::Tensor grad_x = needs[0] ? at::empty_like(g) : at::Tensor();
+  at::Tensor grad_h = needs[1] ? at::empty_like(h) : at::Tensor();
+  at::Tensor grad_beta = needs[2] ? at::empty_like(beta) : at::Tensor();
+  at::Tensor grad_value = needs[3] ? at::empty_like(value) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "delta_update_backward", [&] {
+    auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<scalar_t>() : nullptr; };
+    with_channels(u.channels, [&](auto channels) {
+      update_backward<scalar_t, decltype(channels)::value>(
+          g.data_ptr<scalar_t>(), erase ? x.data_ptr<scalar_t>() : nullptr, h.data_ptr<scalar_t>(),
+          beta.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(),
+          erase ? hx.data_ptr<scalar_t>() : nullptr, u, ptr(grad_x), ptr(grad_h), ptr(grad_beta), ptr(grad_value));
+    });
+  });
+  return {grad_x, grad_h, grad_beta, grad_value};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("delta_update_forward", &delta_update_forward, "The fused Delta update, forward (one pass over the state)");
+  m.def("delta_update_backward", &delta_update_backward, "The fused Delta update, backward (one pass over the state)");
+  m.def("tc_read_forward", &tc_read_forward, "TC read, forward (one pass over the state)");
+  m.def("tc_read_backward", &tc_read_backward, "TC read, backward (one pass over the state)");
+}
