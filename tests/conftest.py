@@ -41,6 +41,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.compat)
 
 
+@pytest.fixture(autouse=True)
+def restores_global_settings():
+    """Every test leaves torch's thread count and transformers' log verbosity as it found them: benchmark mains called
+    from tests set both (one thread; errors only), and later tests depend on them (bit-exact resumes, log capture)."""
+    from transformers.utils import logging as hf_logging
+
+    threads, verbosity = torch.get_num_threads(), hf_logging.get_verbosity()
+    yield
+    torch.set_num_threads(threads)
+    hf_logging.set_verbosity(verbosity)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models run fastest on one intra-op thread, and do not slow down when the machine is busy."""
