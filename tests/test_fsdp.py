@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ def torchrun(out: Path, *worker_args: str, nodes: int = 1, accelerate_config: st
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ddl-hf-test"]
+        run_id = f"ddl-hf-test-{uuid.uuid4().hex}"  # two runs on one machine never join each other's rendezvous
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
         commands = [[*run, "--nnodes", str(nodes), "--nproc_per_node", "1", *rendezvous, *worker]] * nodes
     agents = [
         subprocess.Popen(c, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
