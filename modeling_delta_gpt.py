@@ -343,9 +343,9 @@ class DeltaResidual(nn.Module):
             self.v_proj = nn.Linear(hidden_size, value_channels)
 
     def __getstate__(self) -> dict:
-        """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native kernel, a compiled extension function
-        that cannot be pickled: the copy decodes on the Python host path (the same tokens) until
-        `ddl_hf.native.enable_native_decoding` is called on it."""
+        """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native kernels, compiled extensions that
+        cannot be pickled: the copy decodes on the Python host path and trains with tensor ops (the same tokens and
+        values) until `ddl_hf.native.enable_native_decoding` / `enable_native_training` is called on it."""
         state = super().__getstate__().copy()
         state.pop("one_token_kernel", None)
         state.pop("native_update", None)

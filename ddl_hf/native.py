@@ -100,9 +100,13 @@ def _build(name: str, source: Path, unavailable: str, verbose: bool) -> Any:
     return load(name=name, sources=[str(source)], extra_cflags=_FLAGS, verbose=verbose)
 
 
-def _delta_residuals(model: nn.Module) -> list[nn.Module]:
-    # Duck-typed, so that a model loaded as Hub custom code (its own copy of the classes) is found too.
-    return [module for module in model.modules() if hasattr(type(module), "one_token_kernel")]
+def _delta_residuals(model: nn.Module, required: bool = False) -> list[nn.Module]:
+    """The Delta residuals of `model`; `required`: a ValueError if it has none. Duck-typed, so that a model loaded as
+    Hub custom code (its own copy of the classes) is found too."""
+    residuals = [module for module in model.modules() if hasattr(type(module), "one_token_kernel")]
+    if required and not residuals:
+        raise ValueError(f"{type(model).__name__} has no Delta residuals (DeltaGPT / DeltaLlama models have).")
+    return residuals
 
 
 def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module:
@@ -110,9 +114,7 @@ def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module
 
     Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
     without Delta residuals."""
-    residuals = _delta_residuals(model)
-    if not residuals:
-        raise ValueError(f"{type(model).__name__} has no Delta residuals (DeltaGPT / DeltaLlama models have).")
+    residuals = _delta_residuals(model, required=True)
     kernel = load_one_token_kernel(verbose)
     for residual in residuals:
         residual.one_token_kernel = kernel
@@ -142,9 +144,7 @@ def enable_native_training(model: nn.Module, verbose: bool = False) -> nn.Module
 
     Raises `NativeKernelUnavailable` (naming what is missing) where they cannot be built, and ValueError for a model
     without Delta residuals."""
-    residuals = _delta_residuals(model)
-    if not residuals:
-        raise ValueError(f"{type(model).__name__} has no Delta residuals (DeltaGPT / DeltaLlama models have).")
+    residuals = _delta_residuals(model, required=True)
     kernels = load_training_kernels(verbose)
     for residual in residuals:
         residual.native_update = kernels

@@ -276,6 +276,45 @@ def test_the_native_read_under_bf16_autocast_matches_tensor_ops(kernel):
         torch.testing.assert_close(fast[1][name], grad, rtol=1e-3, atol=1e-4, msg=name)
 
 
+def test_the_kernels_refuse_sizes_that_do_not_fit_together(kernel):
+    """An error naming the mismatch, never a read out of bounds, for a caller that bypasses the Python checks."""
+    x, w = torch.randn(2, 5, 4, 3), torch.randn(4, 3, 3)
+    with pytest.raises(RuntimeError, match="past must be"):
+        kernel.tc_read_forward(x, w, torch.randn(2, 1, 4, 3), None)
+    with pytest.raises(RuntimeError, match="same_document must be"):
+        kernel.tc_read_forward(x, w, None, torch.ones(2, 5, 2, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="grad_out must be"):
+        kernel.tc_read_backward(torch.randn(2, 4, 4), x, w, None, None, True, True)
+    state, h, beta, value = torch.randn(6, 4, 3), torch.randn(6, 4), torch.rand(6), torch.randn(6, 3)
+    with pytest.raises(RuntimeError, match="sizes do not fit"):
+        kernel.delta_update_forward(state, h[:5], beta, value, EPS, True, True)
+    _, r, hx = kernel.delta_update_forward(state, h, beta, value, EPS, True, True)
+    with pytest.raises(RuntimeError, match="do not fit the forward"):
+        kernel.delta_update_backward(torch.randn(6, 4, 2), state, h, beta, value, r, hx, EPS, True, True, [True] * 4)
+
+
+def test_the_kernels_save_what_the_tensor_ops_save(kernel):
+    """Training memory: the storages autograd keeps for the backward are the same size with and without the kernels
+    (the peak-memory rows of bench_overhead are measured with tensor ops)."""
+    model = variant_model(**dict(TC, delta_embed_expand="conv")).train()
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+
+    def saved_bytes() -> int:
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(ids, labels=ids)
+        return sum(storages.values())
+
+    plain = saved_bytes()
+    enable_native_training(model)
+    assert saved_bytes() == plain
+
+
 def test_enable_copies_and_refusals(kernel):
     model = variant_model(**TC)
     assert enable_native_training(model) is model

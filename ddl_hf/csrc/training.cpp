@@ -106,9 +106,19 @@ void backward(const T* g, const T* x, const T* wt, const T* past, const Taps& ta
   });
 }
 
-Taps taps_of(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& same_document) {
+// The sizes the loops rely on, checked: a mismatch is an error here, not a read out of bounds.
+Taps taps_of(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& past,
+             const c10::optional<at::Tensor>& same_document) {
   TORCH_CHECK(x.dim() == 4 && weight.dim() == 3, "tc_read: x [B, T, D, d_v] and weight [D, d_v, K]");
   TORCH_CHECK(weight.size(0) == x.size(2) && weight.size(1) == x.size(3), "tc_read: weight does not match x");
+  TORCH_CHECK(!past.has_value() || (past->sizes() == at::IntArrayRef{x.size(0), weight.size(2) - 1, x.size(2),
+                                                                       x.size(3)} &&
+                                     past->scalar_type() == x.scalar_type()),
+              "tc_read: past must be [B, K - 1, D, d_v] in x's dtype");
+  TORCH_CHECK(!same_document.has_value() ||
+                  (same_document->sizes() == at::IntArrayRef{x.size(0), x.size(1), weight.size(2)} &&
+                   same_document->scalar_type() == at::kBool),
+              "tc_read: same_document must be bool [B, T, K]");
   return {x.size(0), x.size(1), x.size(2), x.size(3), weight.size(2),
           same_document.has_value() ? same_document->data_ptr<bool>() : nullptr};
 }
@@ -119,7 +129,7 @@ at::Tensor tc_read_forward(const at::Tensor& x_in, const at::Tensor& weight, con
   const c10::optional<at::Tensor> past = past_in.has_value() ? c10::optional<at::Tensor>(past_in->contiguous()) : past_in;
   const c10::optional<at::Tensor> same_document =
       same_document_in.has_value() ? c10::optional<at::Tensor>(same_document_in->contiguous()) : same_document_in;
-  const Taps taps = taps_of(x, weight, same_document);
+  const Taps taps = taps_of(x, weight, past, same_document);
   const at::Tensor wt = weight.to(x.scalar_type()).permute({2, 0, 1}).contiguous();
   at::Tensor out = at::empty({taps.batch, taps.steps, taps.dim}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tc_read_forward", [&] {
@@ -134,10 +144,12 @@ std::vector<at::Tensor> tc_read_backward(const at::Tensor& grad_out, const at::T
                                          const c10::optional<at::Tensor>& same_document_in, bool need_x, bool need_w) {
   const at::Tensor x = x_in.contiguous();
   const at::Tensor g = grad_out.to(x.scalar_type()).contiguous();
+  TORCH_CHECK(g.dim() == 3 && g.size(0) == x.size(0) && g.size(1) == x.size(1) && g.size(2) == x.size(2),
+              "tc_read_backward: grad_out must be [B, T, D]");
   const c10::optional<at::Tensor> past = past_in.has_value() ? c10::optional<at::Tensor>(past_in->contiguous()) : past_in;
   const c10::optional<at::Tensor> same_document =
       same_document_in.has_value() ? c10::optional<at::Tensor>(same_document_in->contiguous()) : same_document_in;
-  const Taps taps = taps_of(x, weight, same_document);
+  const Taps taps = taps_of(x, weight, past, same_document);
   const at::Tensor wt = weight.to(x.scalar_type()).permute({2, 0, 1}).contiguous();
   at::Tensor grad_x = need_x ? at::zeros_like(x) : at::Tensor();
   at::Tensor grad_wt = need_w ? at::zeros_like(wt) : at::Tensor();
@@ -315,6 +327,10 @@ std::vector<at::Tensor> delta_update_backward(const at::Tensor& grad_out, const 
   const at::Tensor x = erase ? x_in->contiguous() : g;  // without erase X is not read: g stands in for its shape
   const at::Tensor hx = erase ? hx_in->contiguous() : at::Tensor();
   const Update u = update_of(x, h, beta, value, eps, additive, erase);
+  TORCH_CHECK(needs.size() == 4 && g.sizes() == x.sizes() && r.numel() == u.tokens &&
+                  (!erase || (hx.numel() == u.tokens * u.channels && hx.scalar_type() == h.scalar_type())) &&
+                  r.scalar_type() == h.scalar_type(),
+              "delta_update_backward: grad_out, r and h^T X do not fit the forward's sizes");
   at::Tensor grad_x = needs[0] ? at::empty_like(g) : at::Tensor();
   at::Tensor grad_h = needs[1] ? at::empty_like(h) : at::Tensor();
   at::Tensor grad_beta = needs[2] ? at::empty_like(beta) : at::Tensor();
