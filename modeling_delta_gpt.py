@@ -126,6 +126,23 @@ class DeltaConvContext:
         document = None if starts is None else same_document_taps(starts, size)
         return temporal_conv_read(x, weight, past, document, kernel)
 
+    def read_one_token(
+        self, kernel: Callable, x: torch.Tensor, key: str, weight: torch.Tensor, read: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """One decoded token's TC read with the native `kernel` (`ddl_hf.native.enable_native_decoding`): its window
+        shifted by x and `convolve_read(x, key, weight * read[:, None])` (d_v = 1: `convolve(x, key, weight[:, 0])`)
+        in one call; None where it does not apply (not one cached token, packed rows, compiling or tracing: an
+        extension call cannot be traced) or the kernel declines, and the tensor path reads."""
+        if self.cache is None or self.document_starts is not None or x.shape[1] != 1:
+            return None
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return None
+        result = kernel(x, self.cache.delta_window(key), weight, read, self.token_mask)
+        if result is None:
+            return None
+        self.cache.set_delta_window(key, result[1])
+        return result[0]
+
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """x `[B, T, ...]` with padded positions zeroed (as the zeros before the start of a sequence)."""
         if self.token_mask is None:
@@ -161,6 +178,9 @@ class DeltaStateConv(nn.Module):
     # The native training kernels (`ddl_hf.native.enable_native_training`): the TC read in one pass over the state,
     # forward and backward. Optional: None (the default) keeps `temporal_conv_read`'s tensor ops.
     native_read: Any = None
+    # The native one-token TC read (`ddl_hf.native.enable_native_decoding`): a decoded token's read and window in
+    # one call. Optional: None keeps the tensor ops.
+    one_token_read: Callable | None = None
 
     def __init__(self, kind: str, hidden_size: int, value_channels: int, size: int):
         super().__init__()
@@ -191,6 +211,10 @@ class DeltaStateConv(nn.Module):
             if read is None:
                 return channel_conv(state, self.weight)
             return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
+        if self.one_token_read is not None and context is not None and (read is None) == (state.dim() == 3):
+            out = context.read_one_token(self.one_token_read, state, key, self.weight, read)  # the read of a token
+            if out is not None:
+                return out
         if read is None or state.dim() != 4:
             weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
             return (context or DeltaConvContext()).convolve(state, key, weight)
@@ -198,10 +222,12 @@ class DeltaStateConv(nn.Module):
         return (context or DeltaConvContext()).convolve_read(state, key, self.weight * read[:, None], self.native_read)
 
     def __getstate__(self) -> dict:
-        """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native read, a compiled extension that cannot
-        be pickled: the copy reads with tensor ops (the same values) until `enable_native_training` is called on it."""
+        """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native reads, compiled extensions that cannot
+        be pickled: the copy reads with tensor ops (the same values) until `enable_native_training` /
+        `enable_native_decoding` is called on it."""
         state = super().__getstate__().copy()
         state.pop("native_read", None)
+        state.pop("one_token_read", None)
         return state
 
 

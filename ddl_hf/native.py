@@ -6,11 +6,13 @@ the same math in one call. It is compiled on first use with `torch.utils.cpp_ext
 `pip install ninja`; ~30 s once, then cached by torch in `TORCH_EXTENSIONS_DIR`) and is opt-in per model:
 
     from ddl_hf.native import enable_native_decoding
-    enable_native_decoding(model)   # every Delta residual of `model` decodes one token natively
+    enable_native_decoding(model)   # every Delta residual (and TC read) of `model` decodes one token natively
     model.generate(...)
 
 It runs exactly where the host path runs (one token at batch 1, CPU, float32/float64, no autograd, plain linear
-gate and value, not while compiling or tracing); everything else keeps the tensor path. Nothing else depends on it:
+gate and value, not while compiling or tracing); everything else keeps the tensor path. The same file holds the TC
+read of one decoded token (`delta_state_read="temporal_conv"`): its cached window, shifted by the token, and the
+read in one call instead of ~10 tensor calls per read, at any batch size. Nothing else depends on it:
 the Hub model files import only torch and transformers, and a model without it gives the same tokens.
 `torch.save(model)` and `copy.deepcopy(model)` leave the kernel out (a compiled function cannot be pickled): the copy
 decodes on the Python host path until `enable_native_decoding` is called on it.
@@ -38,7 +40,7 @@ from torch import nn
 _SOURCE = Path(__file__).parent / "csrc" / "one_token_delta.cpp"
 _TRAINING_SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
 _FLAGS = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised loops, no OpenMP runtime
-_kernel: Callable | None = None
+_decoding: Any = None
 _training: Any = None
 
 
@@ -71,11 +73,21 @@ def _put_pip_ninja_on_path() -> None:
 
 def load_one_token_kernel(verbose: bool = False) -> Callable:
     """Build (first call; torch caches the build) and return the native one-token Delta update."""
-    global _kernel
-    if _kernel is None:
+    return _decoding_kernels(verbose).one_token_delta_update
+
+
+def load_one_token_tc_read(verbose: bool = False) -> Callable:
+    """Build (first call; torch caches the build) and return the native one-token TC read with its cached window
+    (`DeltaConvContext.read_one_token` calls it)."""
+    return _decoding_kernels(verbose).one_token_tc_read
+
+
+def _decoding_kernels(verbose: bool) -> Any:
+    global _decoding
+    if _decoding is None:
         unavailable = "cannot build the native decoding kernel: {}. Decoding works without it (the Python path)."
-        _kernel = _build("ddl_hf_one_token_delta", _SOURCE, unavailable, verbose).one_token_delta_update
-    return _kernel
+        _decoding = _build("ddl_hf_one_token_delta", _SOURCE, unavailable, verbose)
+    return _decoding
 
 
 def load_training_kernels(verbose: bool = False) -> Any:
@@ -110,30 +122,37 @@ def _delta_residuals(model: nn.Module, required: bool = False) -> list[nn.Module
 
 
 def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module:
-    """Make every Delta residual of `model` decode one token with the native kernel; returns `model`.
+    """Make every Delta residual of `model` decode one token with the native kernel, and every TC read (the TC
+    read-out's included) read one token with its cached window natively; returns `model`.
 
     Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
     without Delta residuals."""
     residuals = _delta_residuals(model, required=True)
-    kernel = load_one_token_kernel(verbose)
+    kernel, tc_read = load_one_token_kernel(verbose), load_one_token_tc_read(verbose)
     for residual in residuals:
         residual.one_token_kernel = kernel
+    for read in _tc_reads(model, expanded_only=False):
+        read.one_token_read = tc_read
     return model
 
 
 def disable_native_decoding(model: nn.Module) -> nn.Module:
-    """Back to the Python host path for every Delta residual of `model`; returns `model`."""
+    """Back to the Python host path for every Delta residual and TC read of `model`; returns `model`."""
     for residual in _delta_residuals(model):
         residual.__dict__.pop("one_token_kernel", None)
+    for read in _tc_reads(model, expanded_only=False):
+        read.__dict__.pop("one_token_read", None)
     return model
 
 
-def _tc_reads(model: nn.Module) -> list[nn.Module]:
-    # Duck-typed like `_delta_residuals`: the TC convolutions of an expanded state (d_v > 1 reads through them).
+def _tc_reads(model: nn.Module, expanded_only: bool = True) -> list[nn.Module]:
+    # Duck-typed like `_delta_residuals`: the TC convolutions (`expanded_only`: of an expanded state, d_v > 1).
     return [
         module
         for module in model.modules()
-        if hasattr(type(module), "native_read") and module.kind == "temporal_conv" and module.weight.shape[1] > 1
+        if hasattr(type(module), "native_read")
+        and module.kind == "temporal_conv"
+        and (module.weight.shape[1] > 1 or not expanded_only)
     ]
 
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import delta_model, open_gates
+from builders import CLIENT_VARIANTS, delta_model, open_gates, scramble_delta_weights
 from test_delta_llama import build_source, to_delta
 from test_delta_llama import open_gates as llama_open_gates
 from test_fast_paths import CASES, Doubled, assert_greedy_decoding_matches_the_plain_reference, inputs, residual
 
 import ddl_hf.modeling_delta_gpt as modeling
 import ddl_hf.native as native
-from ddl_hf.delta_ops import delta_update, unit_direction
-from ddl_hf.modeling_delta_gpt import DeltaResidual
+from ddl_hf.delta_ops import delta_update, temporal_conv, unit_direction
+from ddl_hf.modeling_delta_gpt import DeltaResidual, DeltaStateConv
 from ddl_hf.native import NativeKernelUnavailable, disable_native_decoding, enable_native_decoding
 
 
@@ -29,6 +29,11 @@ def kernel():
     if problem is not None:
         pytest.skip(f"the native kernel cannot be built here: {problem}")
     return native.load_one_token_kernel()
+
+
+@pytest.fixture(scope="module")
+def tc_read(kernel):
+    return native.load_one_token_tc_read()
 
 
 def counting(kernel, calls: list):
@@ -161,15 +166,18 @@ def test_delta_llama_decodes_with_the_native_kernel(kernel):
 def test_enable_finds_the_residuals_of_a_model_loaded_as_hub_custom_code(kernel, tmp_path):
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    delta_model(delta_value_channels=4).save_pretrained(tmp_path)
+    delta_model(CLIENT_VARIANTS["tc-ec-paper-dv4"]).save_pretrained(tmp_path)
     hub_class = get_class_from_dynamic_module("modeling_delta_gpt.DeltaGPTForCausalLM", tmp_path)
     model = hub_class.from_pretrained(tmp_path).eval()
     residuals = [m for m in model.modules() if type(m).__name__ == "DeltaResidual"]
     assert residuals and all(type(m) is not DeltaResidual for m in residuals)  # the Hub copy of the class
+    reads = [m for m in model.modules() if type(m).__name__ == "DeltaStateConv"]
+    assert reads and all(type(m) is not DeltaStateConv for m in reads)
     enable_native_decoding(model)
     assert all(m.one_token_kernel is kernel for m in residuals)
+    assert all(m.one_token_read is native.load_one_token_tc_read() for m in reads)
     disable_native_decoding(model)
-    assert all(m.one_token_kernel is None for m in residuals)
+    assert all(m.one_token_kernel is None for m in residuals) and all(m.one_token_read is None for m in reads)
 
 
 def test_enable_refuses_a_model_without_delta_residuals():
@@ -178,7 +186,7 @@ def test_enable_refuses_a_model_without_delta_residuals():
 
 
 def test_a_machine_without_a_compiler_gets_an_error_that_names_it(monkeypatch):
-    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_decoding", None)
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     model = delta_model()
     with pytest.raises(NativeKernelUnavailable, match=r"no C\+\+ compiler .*works without it"):
@@ -219,17 +227,140 @@ def test_a_model_with_the_kernel_enabled_pickles_without_it_and_decodes_the_same
     decodes on the Python host path, to the same tokens, until `enable_native_decoding` is called on it again."""
     import copy
 
-    model = delta_model(delta_value_channels=4, delta_mode="paper")
-    open_gates(model)
+    model = delta_model(CLIENT_VARIANTS["tc-ec-paper-dv4"])
+    scramble_delta_weights(model)
     enable_native_decoding(model)
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     copied = copy.deepcopy(model)
-    residuals = [m for m in loaded.modules() if isinstance(m, DeltaResidual)]
-    assert residuals and all(m.one_token_kernel is None for m in residuals)
-    assert all(m.one_token_kernel is None for m in copied.modules() if isinstance(m, DeltaResidual))
+    for copy_ in (loaded, copied):
+        residuals = [m for m in copy_.modules() if isinstance(m, DeltaResidual)]
+        reads = [m for m in copy_.modules() if isinstance(m, DeltaStateConv)]
+        assert residuals and all(m.one_token_kernel is None for m in residuals)
+        assert reads and all(m.one_token_read is None for m in reads)
     assert all(m.one_token_kernel is kernel for m in model.modules() if isinstance(m, DeltaResidual))
+    assert all(m.one_token_read is not None for m in model.modules() if isinstance(m, DeltaStateConv))
     prompt = torch.tensor([[5, 9, 2]])
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
     assert torch.equal(enable_native_decoding(copied).generate(prompt, max_new_tokens=6, do_sample=False), expected)
+
+
+# The TC read of one decoded token with its cached window (`one_token_tc_read`), against the definition: the history
+# is the last K - 1 cached inputs (zeros without a cache), then the token times its mask, and the read is
+# `temporal_conv` of it summed over the value channels with the read vector (d_v = 1: the convolution itself).
+
+
+def window_case(d_v: int, size: int, past_rows: int | None, mask: str, dtype=torch.float64, batch: int = 2):
+    g = torch.Generator().manual_seed(size * 10 + d_v)
+    channels = (d_v,) if d_v > 1 else ()
+    x = torch.randn(batch, 1, 16, *channels, generator=g, dtype=torch.float64)
+    past = None if past_rows is None else torch.randn(batch, past_rows, 16, *channels, generator=g, dtype=torch.float64)
+    weight = torch.randn(16, d_v, size, generator=g, dtype=torch.float64)
+    read = torch.randn(d_v, generator=g, dtype=torch.float64) if d_v > 1 else None
+    token_mask = {"none": None, "ones": torch.ones(batch, 7, dtype=torch.long)}.get(mask)
+    if mask == "padding":  # the second row's token is padding: it enters the window as zeros
+        token_mask = torch.tensor([[1] * 7, [0] * 6 + [1]]).flip(-1)
+    cast = [t if t is None else t.to(dtype) for t in (x, past, weight, read)]
+    return cast, token_mask
+
+
+def window_reference(x, past, weight, read, token_mask):
+    size = weight.shape[-1]
+    x, weight = x.double(), weight.double()
+    if token_mask is not None:
+        x = x * token_mask[:, -1:].double().view(-1, 1, *[1] * (x.dim() - 2))
+    past = torch.zeros(x.shape[0], size - 1, *x.shape[2:], dtype=x.dtype) if past is None else past.double()
+    history = torch.cat([past[:, past.shape[1] - (size - 1) :], x], dim=1)
+    if read is None:
+        return temporal_conv(history, weight[:, 0]), history
+    return temporal_conv(history, weight * read.double()[:, None]).sum(-1), history
+
+
+@pytest.mark.parametrize("d_v", [1, 4])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("past", ["none", "window", "prefill"])
+@pytest.mark.parametrize("mask", ["none", "ones", "padding"])
+def test_the_native_tc_read_is_its_definition(tc_read, d_v, size, past, mask):
+    """The read and the new window, in float64 to 1e-12 and in float32 to float32's rounding; past: no cached window
+    (zeros), the K - 1 inputs kept between steps, or the whole window a prefill of 5 tokens left."""
+    past_rows = {"none": None, "window": size - 1, "prefill": size - 1 + 5}[past]
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        (x, cached, weight, read), token_mask = window_case(d_v, size, past_rows, mask, dtype)
+        with torch.inference_mode():
+            out, window = tc_read(x, cached, weight, read, token_mask)
+        expected, history = window_reference(x, cached, weight, read, token_mask)
+        assert out.shape == (2, 1, 16) and out.dtype == dtype and window.shape == history.shape
+        assert torch.equal(window.double(), history)  # a copy, bit for bit
+        torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    if mask == "padding":  # the padded token reads nothing of itself: only its past
+        assert torch.equal(window[1, -1], torch.zeros_like(window[1, -1]))
+
+
+def test_the_native_tc_read_declines_what_the_tensor_path_keeps_and_refuses_malformed_inputs(tc_read):
+    """None (the tensor path reads) with autograd or CPU autocast on, several tokens, half precision, mixed dtypes,
+    tensors off the CPU; an error naming the problem for sizes that do not fit together."""
+    (x, past, weight, read), token_mask = window_case(4, 4, 3, "ones", torch.float32)
+
+    def call(x=x, past=past, weight=weight, read=read, token_mask=token_mask):
+        return tc_read(x, past, weight, read, token_mask)
+
+    assert call() is None  # autograd is on
+    with torch.no_grad():
+        assert call() is not None
+        assert call(x=torch.cat([x, x], 1)) is None
+        assert call(x=x.bfloat16(), past=past.bfloat16(), weight=weight.bfloat16(), read=read.bfloat16()) is None
+        assert call(past=past.double()) is None
+        assert call(x=x.to("meta")) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert call() is None
+        with pytest.raises(RuntimeError, match=r"TC weight must be \[D, d_v, K\]"):
+            call(weight=weight[:-1])
+        with pytest.raises(RuntimeError, match="read vector of d_v entries"):
+            call(read=read[:-1])
+        with pytest.raises(RuntimeError, match="read vector of d_v entries"):
+            call(x=x[..., 0], past=past[..., 0], weight=weight[:, :1])  # d_v = 1 reads without one
+        with pytest.raises(RuntimeError, match="cached window must be"):
+            call(past=past[:1])
+        with pytest.raises(RuntimeError, match="cached window must be"):
+            call(past=past[:, :2])
+        with pytest.raises(RuntimeError, match="token mask must be"):
+            call(token_mask=token_mask[:1])
+
+
+def counting_reads(model) -> list:
+    """Spy on the native TC reads that `enable_native_decoding` gave `model`: one entry per read it did."""
+    calls = []
+    for module in model.modules():
+        if isinstance(module, DeltaStateConv) and module.kind == "temporal_conv":
+            module.one_token_read = counting(module.one_token_read, calls)
+    return calls
+
+
+@pytest.mark.parametrize("variant", ["tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4"])
+def test_decoding_with_the_native_tc_read_gives_the_tokens_of_the_tensor_path(kernel, variant):
+    """Greedy decoding, batch 1 and a left-padded batch of 2: every TC read of every decoding step goes through the
+    kernel (the prefill keeps the tensor ops), and tokens and scores are those of the Python path."""
+    model = delta_model(CLIENT_VARIANTS[variant])
+    scramble_delta_weights(model)
+    forwards = []  # the TC reads of the tensor path: one per module and forward (two with a shared read)
+    for module in model.modules():
+        if isinstance(module, DeltaStateConv) and module.kind == "temporal_conv":
+            module.register_forward_hook(lambda *args: forwards.append(1))
+    prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    settings = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    for ids, attention_mask in ((prompt[:1], mask[:1]), (prompt, mask)):
+        with torch.inference_mode():
+            forwards.clear()
+            plain = model.generate(ids, attention_mask=attention_mask, **settings)
+            reads = len(forwards) // 7  # per forward: the prefill, then 6 one-token steps
+            enable_native_decoding(model)
+            calls = counting_reads(model)
+            fast = model.generate(ids, attention_mask=attention_mask, **settings)
+            disable_native_decoding(model)
+        assert reads >= 3 and len(calls) == reads * 6  # every read of every one-token step
+        assert torch.equal(fast.sequences, plain.sequences)
+        torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+    assert all(m.one_token_read is None for m in model.modules() if isinstance(m, DeltaStateConv))
