@@ -110,13 +110,16 @@ class DeltaConvContext:
     def convolve_read(self, x: torch.Tensor, key: str, weight: torch.Tensor, kernel: Any = None) -> torch.Tensor:
         """`convolve(x, key, weight).sum(-1)` as one pass (`temporal_conv_read`, with the native `kernel` if given):
         neither the zero-padded history nor the `[B, T, D, d_v]` convolution is made, except the history that a cache
-        keeps as the window."""
+        keeps as the window. x `[B, T, D]` is one value channel (d_v = 1, weight `[D, 1, K]`): the read is
+        `convolve(x, key, weight[:, 0])`, and the window keeps x's shape."""
         size = weight.shape[-1]
         starts = self.document_starts
         if self.cache is None:
             x, past = self.masked(x), None
         else:  # the window the cache keeps is the history: its first size - 1 rows are the past
             history = self.history(x, key, size)
+            if history.dim() == 3:
+                history = history.unsqueeze(-1)
             if history.shape[1] == size and starts is None:  # one token: its window is the whole history
                 return temporal_conv_read_window(history, weight).unsqueeze(1)
             if history.requires_grad:  # save the state itself and a copy of the past, not slices of a second copy
@@ -124,7 +127,7 @@ class DeltaConvContext:
             else:
                 x, past = history[:, size - 1 :], history[:, : size - 1]
         document = None if starts is None else same_document_taps(starts, size)
-        return temporal_conv_read(x, weight, past, document, kernel)
+        return temporal_conv_read(x.unsqueeze(-1) if x.dim() == 3 else x, weight, past, document, kernel)
 
     def read_one_token(
         self, kernel: Callable, x: torch.Tensor, key: str, weight: torch.Tensor, read: torch.Tensor | None
@@ -215,11 +218,13 @@ class DeltaStateConv(nn.Module):
             out = context.read_one_token(self.one_token_read, state, key, self.weight, read)  # the read of a token
             if out is not None:
                 return out
-        if read is None or state.dim() != 4:
-            weight = self.weight if state.dim() == 4 else self.weight[:, 0]  # d_v = 1: the state is [B, T, D]
-            return (context or DeltaConvContext()).convolve(state, key, weight)
+        context = context or DeltaConvContext()
+        if state.dim() == 3:  # d_v = 1: the state is [B, T, D], its read the convolution itself, in one pass
+            return context.convolve_read(state, key, self.weight, self.native_read)
+        if read is None:
+            return context.convolve(state, key, self.weight)
         # TC: the read vector scales the kernels (W r), and one pass reads the state (`temporal_conv_read`).
-        return (context or DeltaConvContext()).convolve_read(state, key, self.weight * read[:, None], self.native_read)
+        return context.convolve_read(state, key, self.weight * read[:, None], self.native_read)
 
     def __getstate__(self) -> dict:
         """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native reads, compiled extensions that cannot

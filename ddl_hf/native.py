@@ -18,7 +18,7 @@ the Hub model files import only torch and transformers, and a model without it g
 decodes on the Python host path until `enable_native_decoding` is called on it.
 
 Training kernels, `csrc/training.cpp`, serve training and full-sequence forwards: the fused Delta update and the TC
-read (`delta_state_read="temporal_conv"` with d_v > 1), each in one pass over the state, forward and backward, where
+read (`delta_state_read="temporal_conv"`), each in one pass over the state, forward and backward, where
 the tensor ops make several (docs/performance.md has the cost of both):
 
     from ddl_hf.native import enable_native_training
@@ -131,7 +131,7 @@ def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module
     kernel, tc_read = load_one_token_kernel(verbose), load_one_token_tc_read(verbose)
     for residual in residuals:
         residual.one_token_kernel = kernel
-    for read in _tc_reads(model, expanded_only=False):
+    for read in _tc_reads(model):
         read.one_token_read = tc_read
     return model
 
@@ -140,24 +140,20 @@ def disable_native_decoding(model: nn.Module) -> nn.Module:
     """Back to the Python host path for every Delta residual and TC read of `model`; returns `model`."""
     for residual in _delta_residuals(model):
         residual.__dict__.pop("one_token_kernel", None)
-    for read in _tc_reads(model, expanded_only=False):
+    for read in _tc_reads(model):
         read.__dict__.pop("one_token_read", None)
     return model
 
 
-def _tc_reads(model: nn.Module, expanded_only: bool = True) -> list[nn.Module]:
-    # Duck-typed like `_delta_residuals`: the TC convolutions (`expanded_only`: of an expanded state, d_v > 1).
+def _tc_reads(model: nn.Module) -> list[nn.Module]:
+    # Duck-typed like `_delta_residuals`: the TC convolutions.
     return [
-        module
-        for module in model.modules()
-        if hasattr(type(module), "native_read")
-        and module.kind == "temporal_conv"
-        and (module.weight.shape[1] > 1 or not expanded_only)
+        module for module in model.modules() if hasattr(type(module), "native_read") and module.kind == "temporal_conv"
     ]
 
 
 def enable_native_training(model: nn.Module, verbose: bool = False) -> nn.Module:
-    """Make every Delta update of `model`, and every TC read of an expanded state (the TC read-out's included), run
+    """Make every Delta update of `model`, and every TC read (the TC read-out's included), run
     the native kernels, forward and backward, where they apply (CPU float32 / float64, not compiling); returns
     `model`. Losses and gradients are those of the tensor ops (tests/test_native_training.py).
 

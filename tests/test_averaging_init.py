@@ -78,7 +78,7 @@ def train_gate_shut_tc(blocks: torch.Tensor, start: str, steps: int = 100) -> li
         batch = blocks[order[step]]
         loss = model(batch, labels=batch).loss
         if step % 20 == 0:
-            trace.append((step, float(loss), token_dependent_share(reads["final"].detach())))
+            trace.append((step, float(loss.detach()), token_dependent_share(reads["final"].detach())))
         loss.backward()
         optimizer.step()
         schedule.step()

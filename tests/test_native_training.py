@@ -175,6 +175,7 @@ MODELS = {
     "d_v=4 write-only sigmoid value": dict(delta_value_channels=4, delta_erase=False, delta_value="sigmoid"),
     "TC": TC,
     "TC+EC": dict(TC, delta_embed_expand="conv"),
+    "d_v=1 TC": dict(delta_state_read="temporal_conv"),
 }
 
 
@@ -330,8 +331,8 @@ def test_enable_copies_and_refusals(kernel):
     assert all(m.native_read is None for m in reads) and all(m.native_update is None for m in residuals)
     with pytest.raises(ValueError, match="no Delta residuals"):
         enable_native_training(torch.nn.Linear(2, 2))
-    d_v1_tc = enable_native_training(variant_model(delta_state_read="temporal_conv"))  # reads with temporal_conv
-    assert all(m.native_read is None for m in d_v1_tc.modules() if isinstance(m, DeltaStateConv))
+    d_v1_tc = enable_native_training(variant_model(delta_state_read="temporal_conv"))  # one channel: the same read
+    assert all(m.native_read is kernel for m in d_v1_tc.modules() if isinstance(m, DeltaStateConv))
 
 
 def test_enable_finds_the_modules_of_a_model_loaded_as_hub_custom_code(kernel, tmp_path):
