@@ -129,21 +129,22 @@ class DeltaConvContext:
         document = None if starts is None else same_document_taps(starts, size)
         return temporal_conv_read(x.unsqueeze(-1) if x.dim() == 3 else x, weight, past, document, kernel)
 
-    def read_one_token(
+    def read_cached(
         self, kernel: Callable, x: torch.Tensor, key: str, weight: torch.Tensor, read: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """One decoded token's TC read with the native `kernel` (`ddl_hf.native.enable_native_decoding`): its window
-        shifted by x and `convolve_read(x, key, weight * read[:, None])` (d_v = 1: `convolve(x, key, weight[:, 0])`)
-        in one call; None where it does not apply (not one cached token, packed rows, compiling or tracing: an
-        extension call cannot be traced) or the kernel declines, and the tensor path reads."""
-        if self.cache is None or self.document_starts is not None or x.shape[1] != 1:
+        """The TC read of a forward with a cache and without autograd (a prompt, then each decoded token) with the
+        native `kernel` (`ddl_hf.native.enable_native_decoding`): the new window and `convolve_read(x, key,
+        weight * read[:, None])` (d_v = 1: `weight`) in one call. None where it does not apply (no cache, compiling or
+        tracing: an extension call cannot be traced) or the kernel declines, and the tensor path reads."""
+        if self.cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return None
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return None
-        result = kernel(x, self.cache.delta_window(key), weight, read, self.token_mask)
+        starts = self.document_starts
+        document = None if starts is None else same_document_taps(starts, weight.shape[-1])
+        windows = self.cache.delta_windows
+        result = kernel(x, windows.get(key), weight, read, self.token_mask, document)
         if result is None:
             return None
-        self.cache.set_delta_window(key, result[1])
+        windows[key] = result[1]
         return result[0]
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,9 +182,9 @@ class DeltaStateConv(nn.Module):
     # The native training kernels (`ddl_hf.native.enable_native_training`): the TC read in one pass over the state,
     # forward and backward. Optional: None (the default) keeps `temporal_conv_read`'s tensor ops.
     native_read: Any = None
-    # The native one-token TC read (`ddl_hf.native.enable_native_decoding`): a decoded token's read and window in
-    # one call. Optional: None keeps the tensor ops.
-    one_token_read: Callable | None = None
+    # The native TC read of a forward with a cache and without autograd (`ddl_hf.native.enable_native_decoding`): the
+    # read and the new window in one call, for the prompt and each decoded token. Optional: None keeps the tensor ops.
+    cached_read: Callable | None = None
 
     def __init__(self, kind: str, hidden_size: int, value_channels: int, size: int):
         super().__init__()
@@ -214,8 +215,9 @@ class DeltaStateConv(nn.Module):
             if read is None:
                 return channel_conv(state, self.weight)
             return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
-        if self.one_token_read is not None and context is not None and (read is None) == (state.dim() == 3):
-            out = context.read_one_token(self.one_token_read, state, key, self.weight, read)  # the read of a token
+        weight = self._parameters["weight"]  # from the dict: decoding is all per-call overhead
+        if self.cached_read is not None and context is not None and (read is None) == (state.dim() == 3):
+            out = context.read_cached(self.cached_read, state, key, weight, read)  # the read, not every channel's
             if out is not None:
                 return out
         context = context or DeltaConvContext()
@@ -232,7 +234,7 @@ class DeltaStateConv(nn.Module):
         `enable_native_decoding` is called on it."""
         state = super().__getstate__().copy()
         state.pop("native_read", None)
-        state.pop("one_token_read", None)
+        state.pop("cached_read", None)
         return state
 
 

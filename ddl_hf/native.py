@@ -11,8 +11,9 @@ the same math in one call. It is compiled on first use with `torch.utils.cpp_ext
 
 It runs exactly where the host path runs (one token at batch 1, CPU, float32/float64, no autograd, plain linear
 gate and value, not while compiling or tracing); everything else keeps the tensor path. The same file holds the TC
-read of one decoded token (`delta_state_read="temporal_conv"`): its cached window, shifted by the token, and the
-read in one call instead of ~10 tensor calls per read, at any batch size. Nothing else depends on it:
+read (`delta_state_read="temporal_conv"`) of a forward with a cache and without autograd, the prompt's and each
+decoded token's: the new window and the read in one call instead of ~10 tensor calls, at any batch size (not in
+packed rows). Nothing else depends on it:
 the Hub model files import only torch and transformers, and a model without it gives the same tokens.
 `torch.save(model)` and `copy.deepcopy(model)` leave the kernel out (a compiled function cannot be pickled): the copy
 decodes on the Python host path until `enable_native_decoding` is called on it.
@@ -76,10 +77,10 @@ def load_one_token_kernel(verbose: bool = False) -> Callable:
     return _decoding_kernels(verbose).one_token_delta_update
 
 
-def load_one_token_tc_read(verbose: bool = False) -> Callable:
-    """Build (first call; torch caches the build) and return the native one-token TC read with its cached window
-    (`DeltaConvContext.read_one_token` calls it)."""
-    return _decoding_kernels(verbose).one_token_tc_read
+def load_cached_tc_read(verbose: bool = False) -> Callable:
+    """Build (first call; torch caches the build) and return the native TC read of a forward with a cache and without
+    autograd (`DeltaConvContext.read_cached` calls it)."""
+    return _decoding_kernels(verbose).cached_tc_read
 
 
 def _decoding_kernels(verbose: bool) -> Any:
@@ -123,16 +124,16 @@ def _delta_residuals(model: nn.Module, required: bool = False) -> list[nn.Module
 
 def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module:
     """Make every Delta residual of `model` decode one token with the native kernel, and every TC read (the TC
-    read-out's included) read one token with its cached window natively; returns `model`.
+    read-out's included) of a forward with a cache and without autograd run natively; returns `model`.
 
     Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
     without Delta residuals."""
     residuals = _delta_residuals(model, required=True)
-    kernel, tc_read = load_one_token_kernel(verbose), load_one_token_tc_read(verbose)
+    kernel, tc_read = load_one_token_kernel(verbose), load_cached_tc_read(verbose)
     for residual in residuals:
         residual.one_token_kernel = kernel
     for read in _tc_reads(model):
-        read.one_token_read = tc_read
+        read.cached_read = tc_read
     return model
 
 
@@ -141,7 +142,7 @@ def disable_native_decoding(model: nn.Module) -> nn.Module:
     for residual in _delta_residuals(model):
         residual.__dict__.pop("one_token_kernel", None)
     for read in _tc_reads(model):
-        read.__dict__.pop("one_token_read", None)
+        read.__dict__.pop("cached_read", None)
     return model
 
 

@@ -18,7 +18,7 @@ from test_fast_paths import CASES, Doubled, assert_greedy_decoding_matches_the_p
 
 import ddl_hf.modeling_delta_gpt as modeling
 import ddl_hf.native as native
-from ddl_hf.delta_ops import delta_update, temporal_conv, unit_direction
+from ddl_hf.delta_ops import delta_update, same_document_taps, temporal_conv, unit_direction
 from ddl_hf.modeling_delta_gpt import DeltaResidual, DeltaStateConv
 from ddl_hf.native import NativeKernelUnavailable, disable_native_decoding, enable_native_decoding
 
@@ -33,7 +33,7 @@ def kernel():
 
 @pytest.fixture(scope="module")
 def tc_read(kernel):
-    return native.load_one_token_tc_read()
+    return native.load_cached_tc_read()
 
 
 def counting(kernel, calls: list):
@@ -175,9 +175,9 @@ def test_enable_finds_the_residuals_of_a_model_loaded_as_hub_custom_code(kernel,
     assert reads and all(type(m) is not DeltaStateConv for m in reads)
     enable_native_decoding(model)
     assert all(m.one_token_kernel is kernel for m in residuals)
-    assert all(m.one_token_read is native.load_one_token_tc_read() for m in reads)
+    assert all(m.cached_read is native.load_cached_tc_read() for m in reads)
     disable_native_decoding(model)
-    assert all(m.one_token_kernel is None for m in residuals) and all(m.one_token_read is None for m in reads)
+    assert all(m.one_token_kernel is None for m in residuals) and all(m.cached_read is None for m in reads)
 
 
 def test_enable_refuses_a_model_without_delta_residuals():
@@ -237,78 +237,87 @@ def test_a_model_with_the_kernel_enabled_pickles_without_it_and_decodes_the_same
         residuals = [m for m in copy_.modules() if isinstance(m, DeltaResidual)]
         reads = [m for m in copy_.modules() if isinstance(m, DeltaStateConv)]
         assert residuals and all(m.one_token_kernel is None for m in residuals)
-        assert reads and all(m.one_token_read is None for m in reads)
+        assert reads and all(m.cached_read is None for m in reads)
     assert all(m.one_token_kernel is kernel for m in model.modules() if isinstance(m, DeltaResidual))
-    assert all(m.one_token_read is not None for m in model.modules() if isinstance(m, DeltaStateConv))
+    assert all(m.cached_read is not None for m in model.modules() if isinstance(m, DeltaStateConv))
     prompt = torch.tensor([[5, 9, 2]])
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
     assert torch.equal(enable_native_decoding(copied).generate(prompt, max_new_tokens=6, do_sample=False), expected)
 
 
-# The TC read of one decoded token with its cached window (`one_token_tc_read`), against the definition: the history
-# is the last K - 1 cached inputs (zeros without a cache), then the token times its mask, and the read is
-# `temporal_conv` of it summed over the value channels with the read vector (d_v = 1: the convolution itself).
+# The TC read of a forward with a cache and without autograd (`cached_tc_read`: a prompt, then each decoded token),
+# against the definition: the history is the last K - 1 cached inputs (zeros without a cache), then the inputs times
+# their mask, and the read is `temporal_conv` of it summed over the value channels with the read vector (d_v = 1: the
+# convolution itself).
 
 
-def window_case(d_v: int, size: int, past_rows: int | None, mask: str, dtype=torch.float64, batch: int = 2):
+def window_case(d_v: int, size: int, past_rows: int | None, mask: str, steps: int = 1, dtype=torch.float64):
     g = torch.Generator().manual_seed(size * 10 + d_v)
     channels = (d_v,) if d_v > 1 else ()
-    x = torch.randn(batch, 1, 16, *channels, generator=g, dtype=torch.float64)
-    past = None if past_rows is None else torch.randn(batch, past_rows, 16, *channels, generator=g, dtype=torch.float64)
+    x = torch.randn(2, steps, 16, *channels, generator=g, dtype=torch.float64)
+    past = None if past_rows is None else torch.randn(2, past_rows, 16, *channels, generator=g, dtype=torch.float64)
     weight = torch.randn(16, d_v, size, generator=g, dtype=torch.float64)
     read = torch.randn(d_v, generator=g, dtype=torch.float64) if d_v > 1 else None
-    token_mask = {"none": None, "ones": torch.ones(batch, 7, dtype=torch.long)}.get(mask)
-    if mask == "padding":  # the second row's token is padding: it enters the window as zeros
-        token_mask = torch.tensor([[1] * 7, [0] * 6 + [1]]).flip(-1)
+    # "padding": the second row's last input is padding (it enters the window as zeros), and with three inputs the
+    # one before is a token and the first padding again: the mask columns are x's, in order
+    token_mask = {"none": None, "ones": torch.ones(2, 7, dtype=torch.long)}.get(mask)
+    if mask == "padding":
+        token_mask = torch.tensor([[1] * 7, [1, 1, 1, 1, 0, 1, 0]])
     cast = [t if t is None else t.to(dtype) for t in (x, past, weight, read)]
     return cast, token_mask
 
 
-def window_reference(x, past, weight, read, token_mask):
-    size = weight.shape[-1]
+def window_reference(x, past, weight, read, token_mask, same_document=None):
+    size, steps = weight.shape[-1], x.shape[1]
     x, weight = x.double(), weight.double()
     if token_mask is not None:
-        x = x * token_mask[:, -1:].double().view(-1, 1, *[1] * (x.dim() - 2))
+        x = x * token_mask[:, -steps:].double().view(*token_mask.shape[:1], steps, *[1] * (x.dim() - 2))
     past = torch.zeros(x.shape[0], size - 1, *x.shape[2:], dtype=x.dtype) if past is None else past.double()
     history = torch.cat([past[:, past.shape[1] - (size - 1) :], x], dim=1)
     if read is None:
-        return temporal_conv(history, weight[:, 0]), history
-    return temporal_conv(history, weight * read.double()[:, None]).sum(-1), history
+        return temporal_conv(history, weight[:, 0], same_document), history
+    return temporal_conv(history, weight * read.double()[:, None], same_document).sum(-1), history
 
 
 @pytest.mark.parametrize("d_v", [1, 4])
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("past", ["none", "window", "prefill"])
 @pytest.mark.parametrize("mask", ["none", "ones", "padding"])
-def test_the_native_tc_read_is_its_definition(tc_read, d_v, size, past, mask):
+@pytest.mark.parametrize("steps", [1, 3, "3 packed"])
+def test_the_native_tc_read_is_its_definition(tc_read, d_v, size, past, mask, steps):
     """The read and the new window, in float64 to 1e-12 and in float32 to float32's rounding; past: no cached window
-    (zeros), the K - 1 inputs kept between steps, or the whole window a prefill of 5 tokens left."""
+    (zeros: a prompt), the K - 1 inputs kept between decoding steps, or the whole window a prefill of 5 tokens left;
+    "3 packed": three inputs whose second starts a new document in the first row (its taps stop there)."""
     past_rows = {"none": None, "window": size - 1, "prefill": size - 1 + 5}[past]
+    same_document = None
+    if steps == "3 packed":
+        steps, same_document = 3, same_document_taps(torch.tensor([[True, True, False], [True, False, False]]), size)
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        (x, cached, weight, read), token_mask = window_case(d_v, size, past_rows, mask, dtype)
+        (x, cached, weight, read), token_mask = window_case(d_v, size, past_rows, mask, steps, dtype)
         with torch.inference_mode():
-            out, window = tc_read(x, cached, weight, read, token_mask)
-        expected, history = window_reference(x, cached, weight, read, token_mask)
-        assert out.shape == (2, 1, 16) and out.dtype == dtype and window.shape == history.shape
+            out, window = tc_read(x, cached, weight, read, token_mask, same_document)
+        expected, history = window_reference(x, cached, weight, read, token_mask, same_document)
+        assert out.shape == (2, steps, 16) and out.dtype == dtype and window.shape == history.shape
         assert torch.equal(window.double(), history)  # a copy, bit for bit
         torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
-    if mask == "padding":  # the padded token reads nothing of itself: only its past
+    if mask == "padding":  # a padded input is zeros in the window: what reads it gets only the rest
         assert torch.equal(window[1, -1], torch.zeros_like(window[1, -1]))
+        assert steps == 1 or not torch.equal(window[1, -2], torch.zeros_like(window[1, -2]))
 
 
 def test_the_native_tc_read_declines_what_the_tensor_path_keeps_and_refuses_malformed_inputs(tc_read):
-    """None (the tensor path reads) with autograd or CPU autocast on, several tokens, half precision, mixed dtypes,
-    tensors off the CPU; an error naming the problem for sizes that do not fit together."""
-    (x, past, weight, read), token_mask = window_case(4, 4, 3, "ones", torch.float32)
+    """None (the tensor path reads) with autograd or CPU autocast on, half precision, mixed dtypes, tensors off the
+    CPU; an error naming the problem for sizes that do not fit together."""
+    (x, past, weight, read), token_mask = window_case(4, 4, 3, "ones", dtype=torch.float32)
 
-    def call(x=x, past=past, weight=weight, read=read, token_mask=token_mask):
-        return tc_read(x, past, weight, read, token_mask)
+    def call(x=x, past=past, weight=weight, read=read, token_mask=token_mask, same_document=None):
+        return tc_read(x, past, weight, read, token_mask, same_document)
 
     assert call() is None  # autograd is on
     with torch.no_grad():
         assert call() is not None
-        assert call(x=torch.cat([x, x], 1)) is None
+        assert call(x=torch.cat([x, x], 1))[0].shape == (2, 2, 16)  # a prompt of two tokens
         assert call(x=x.bfloat16(), past=past.bfloat16(), weight=weight.bfloat16(), read=read.bfloat16()) is None
         assert call(past=past.double()) is None
         assert call(x=x.to("meta")) is None
@@ -326,6 +335,12 @@ def test_the_native_tc_read_declines_what_the_tensor_path_keeps_and_refuses_malf
             call(past=past[:, :2])
         with pytest.raises(RuntimeError, match="token mask must be"):
             call(token_mask=token_mask[:1])
+        with pytest.raises(RuntimeError, match=r"token mask must be \[B, >= T\]"):
+            call(x=x.expand(-1, 8, -1, -1), token_mask=token_mask)  # 7 columns for 8 tokens
+        with pytest.raises(RuntimeError, match=r"same_document must be bool \[B, T, K\]"):
+            call(same_document=torch.ones(2, 1, 3, dtype=torch.bool))
+        with pytest.raises(RuntimeError, match="same_document must be bool"):
+            call(same_document=torch.ones(2, 1, 4))
 
 
 def counting_reads(model) -> list:
@@ -333,14 +348,14 @@ def counting_reads(model) -> list:
     calls = []
     for module in model.modules():
         if isinstance(module, DeltaStateConv) and module.kind == "temporal_conv":
-            module.one_token_read = counting(module.one_token_read, calls)
+            module.cached_read = counting(module.cached_read, calls)
     return calls
 
 
 @pytest.mark.parametrize("variant", ["tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4"])
 def test_decoding_with_the_native_tc_read_gives_the_tokens_of_the_tensor_path(kernel, variant):
-    """Greedy decoding, batch 1 and a left-padded batch of 2: every TC read of every decoding step goes through the
-    kernel (the prefill keeps the tensor ops), and tokens and scores are those of the Python path."""
+    """Greedy decoding, batch 1 and a left-padded batch of 2: every TC read of the prompt and of every decoding step
+    goes through the kernel, and tokens and scores are those of the Python path."""
     model = delta_model(CLIENT_VARIANTS[variant])
     scramble_delta_weights(model)
     forwards = []  # the TC reads of the tensor path: one per module and forward (two with a shared read)
@@ -360,7 +375,7 @@ def test_decoding_with_the_native_tc_read_gives_the_tokens_of_the_tensor_path(ke
             calls = counting_reads(model)
             fast = model.generate(ids, attention_mask=attention_mask, **settings)
             disable_native_decoding(model)
-        assert reads >= 3 and len(calls) == reads * 6  # every read of every one-token step
+        assert reads >= 3 and len(calls) == reads * 7  # every read of every forward
         assert torch.equal(fast.sequences, plain.sequences)
         torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
-    assert all(m.one_token_read is None for m in model.modules() if isinstance(m, DeltaStateConv))
+    assert all(m.cached_read is None for m in model.modules() if isinstance(m, DeltaStateConv))

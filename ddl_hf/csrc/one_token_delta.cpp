@@ -1,5 +1,6 @@
 // The Delta residual update for one decoded token on the CPU, as one native call (ddl_hf.native); and, below, the
-// TC read of one decoded token with its cached window (one_token_tc_read), also one call.
+// TC read of a forward with a cache and without autograd (cached_tc_read: a prompt, then each decoded token), also
+// one call.
 //
 // The same math as delta_ops.one_token_delta_update (and, with beta and v computed here, as
 // DeltaResidual._update_one_token): the gate logit g = w_g . c + b_g, beta = 2 sigmoid(g) clamp(beta_open, 0, 1),
@@ -139,105 +140,120 @@ py::object one_token_delta_update(const at::Tensor& state, const at::Tensor& c, 
   return py::make_tuple(out, beta_out);
 }
 
-// One decoded token's TC read (DeltaStateConv, `delta_state_read="temporal_conv"`) with its cached window: the
-// window is the last K - 1 cached inputs, then the token's input (times its token mask, 0 for padding), and the read
-// is out[b, d] = sum_c r_c sum_j window[b, j, d, c] W[d, c, j] (r = 1 at d_v = 1, where the read is the convolution
-// itself). The same math as DeltaConvContext.convolve_read / convolve for one token (which fold r into W first), in
-// one call instead of ~10 tensor calls; sums in double precision.
+// The TC read (DeltaStateConv, `delta_state_read="temporal_conv"`) of a forward with a cache and without autograd
+// (a prompt, then each decoded token): the new window is the last K - 1 cached inputs, then the T inputs x (times
+// their token mask, 0 for padding), and the read of token t is out[b, t, d] = sum_c r_c sum_j window[b, t + j, d, c]
+// W[d, c, j] (r = 1 at d_v = 1, where the read is the convolution itself), over the taps j that stay in t's document
+// in packed rows (same_document [B, T, K]). The same math as
+// DeltaConvContext.convolve_read (which folds r into W first), in one call and one pass instead of ~10 tensor calls;
+// sums in double precision.
 template <typename T>
-void window_read(const T* __restrict__ past, int64_t past_rows, const T* __restrict__ x, const double* mask,
-                 const T* __restrict__ weight, const T* __restrict__ read, int64_t batch, int64_t d, int64_t dv,
-                 int64_t size, T* __restrict__ window, T* __restrict__ out) {
-  const int64_t entries = d * dv;
+void cached_read(const T* __restrict__ past, int64_t past_rows, const T* __restrict__ x, const double* mask,
+                 const bool* same_document, const T* __restrict__ weight, const T* __restrict__ read, int64_t batch,
+                 int64_t steps, int64_t d, int64_t dv, int64_t size, T* __restrict__ window, T* __restrict__ out) {
+  const int64_t entries = d * dv, rows = size - 1 + steps;
   for (int64_t b = 0; b < batch; ++b) {
-    T* __restrict__ win = window + b * size * entries;
+    T* __restrict__ win = window + b * rows * entries;
     if (past == nullptr) {
       std::fill(win, win + (size - 1) * entries, T(0));
     } else {
       const T* last = past + (b * past_rows + past_rows - (size - 1)) * entries;
       std::copy(last, last + (size - 1) * entries, win);
     }
-    T* __restrict__ token = win + (size - 1) * entries;
-    const T* __restrict__ xb = x + b * entries;
-    if (mask == nullptr) {
-      std::copy(xb, xb + entries, token);
-    } else {
-      const T m = static_cast<T>(mask[b]);
+    for (int64_t t = 0; t < steps; ++t) {
+      T* __restrict__ token = win + (size - 1 + t) * entries;
+      const T* __restrict__ xt = x + (b * steps + t) * entries;
+      if (mask == nullptr) {
+        std::copy(xt, xt + entries, token);
+      } else {
+        const T m = static_cast<T>(mask[b * steps + t]);
 #pragma omp simd
-      for (int64_t e = 0; e < entries; ++e) token[e] = xb[e] * m;
-    }
-    T* __restrict__ ob = out + b * d;
-    for (int64_t i = 0; i < d; ++i) {
-      double sum = 0.0;
-      for (int64_t c = 0; c < dv; ++c) {
-        const int64_t e = i * dv + c;
-        const T* __restrict__ w = weight + e * size;
-        double tap_sum = 0.0;
-        for (int64_t j = 0; j < size; ++j)
-          tap_sum += static_cast<double>(win[j * entries + e]) * static_cast<double>(w[j]);
-        sum += read == nullptr ? tap_sum : static_cast<double>(read[c]) * tap_sum;
+        for (int64_t e = 0; e < entries; ++e) token[e] = xt[e] * m;
       }
-      ob[i] = static_cast<T>(sum);
+    }
+    for (int64_t t = 0; t < steps; ++t) {
+      const T* __restrict__ taps = win + t * entries;
+      const bool* keep = same_document == nullptr ? nullptr : same_document + (b * steps + t) * size;
+      T* __restrict__ ot = out + (b * steps + t) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        double sum = 0.0;
+        for (int64_t c = 0; c < dv; ++c) {
+          const int64_t e = i * dv + c;
+          const T* __restrict__ w = weight + e * size;
+          double tap_sum = 0.0;
+          for (int64_t j = 0; j < size; ++j)
+            if (keep == nullptr || keep[j])
+              tap_sum += static_cast<double>(taps[j * entries + e]) * static_cast<double>(w[j]);
+          sum += read == nullptr ? tap_sum : static_cast<double>(read[c]) * tap_sum;
+        }
+        ot[i] = static_cast<T>(sum);
+      }
     }
   }
 }
 
-// (read [B, 1, D], new window [B, K, D(, d_v)]), or None where the tensor path keeps it: autograd or CPU autocast
-// on, not one token, not every tensor on the CPU in x's float32 / float64 dtype. x `[B, 1, D, d_v]` (or `[B, 1, D]`
-// at d_v = 1), past `[B, P >= K - 1, ...]` or None (zeros), weight `[D, d_v, K]`, read `[d_v]` or None, token_mask
-// `[B, T]` or None.
-py::object one_token_tc_read(const at::Tensor& x, const c10::optional<at::Tensor>& past, const at::Tensor& weight,
-                             const c10::optional<at::Tensor>& read, const c10::optional<at::Tensor>& token_mask) {
+// (read [B, T, D], new window [B, K - 1 + T, D(, d_v)]), or None where the tensor path keeps it: autograd or CPU
+// autocast on, not every tensor on the CPU in x's float32 / float64 dtype. x `[B, T, D, d_v]` (or `[B, T, D]` at
+// d_v = 1), past `[B, P >= K - 1, ...]` or None (zeros), weight `[D, d_v, K]`, read `[d_v]` or None, token_mask
+// `[B, >= T]` or None (its last T columns are x's), same_document bool `[B, T, K]` or None (see delta_ops.temporal_conv).
+py::object cached_tc_read(const at::Tensor& x, const c10::optional<at::Tensor>& past, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& read, const c10::optional<at::Tensor>& token_mask,
+                          const c10::optional<at::Tensor>& same_document) {
   const auto dtype = x.scalar_type();
   const bool applies = !at::GradMode::is_enabled() && !at::autocast::is_autocast_enabled(at::kCPU) &&
-                       (x.dim() == 3 || x.dim() == 4) && x.size(1) == 1 &&
-                       (dtype == at::kFloat || dtype == at::kDouble) && same_dtype_on_cpu(x, dtype) &&
-                       same_dtype_on_cpu(past, dtype) && same_dtype_on_cpu(weight, dtype) &&
-                       same_dtype_on_cpu(read, dtype) && (!token_mask.has_value() || token_mask->device().is_cpu());
+                       (x.dim() == 3 || x.dim() == 4) && (dtype == at::kFloat || dtype == at::kDouble) &&
+                       same_dtype_on_cpu(x, dtype) && same_dtype_on_cpu(past, dtype) &&
+                       same_dtype_on_cpu(weight, dtype) && same_dtype_on_cpu(read, dtype) &&
+                       (!token_mask.has_value() || token_mask->device().is_cpu()) &&
+                       (!same_document.has_value() || same_document->device().is_cpu());
   if (!applies) return py::none();
-  const int64_t batch = x.size(0), d = x.size(2), dv = x.dim() == 4 ? x.size(3) : 1;
+  const int64_t batch = x.size(0), steps = x.size(1), d = x.size(2), dv = x.dim() == 4 ? x.size(3) : 1;
   TORCH_CHECK(weight.dim() == 3 && weight.size(0) == d && weight.size(1) == dv,
               "the TC weight must be [D, d_v, K] with the state's D and d_v");
   const int64_t size = weight.size(2);
   TORCH_CHECK(size >= 1, "the TC weight needs at least one tap");
   TORCH_CHECK(read.has_value() == (x.dim() == 4) && (!read.has_value() || read->numel() == dv),
-              "a [B, 1, D, d_v] state needs a read vector of d_v entries, a [B, 1, D] state none");
+              "a [B, T, D, d_v] state needs a read vector of d_v entries, a [B, T, D] state none");
   TORCH_CHECK(!past.has_value() || (past->dim() == x.dim() && past->size(0) == batch && past->size(1) >= size - 1 &&
                                     past->numel() == batch * past->size(1) * d * dv),
               "the cached window must be [B, >= K - 1, D(, d_v)] like the state");
-  TORCH_CHECK(!token_mask.has_value() || (token_mask->dim() == 2 && token_mask->size(0) == batch &&
-                                          token_mask->size(1) >= 1),
-              "the token mask must be [B, T]");
+  TORCH_CHECK(!token_mask.has_value() ||
+                  (token_mask->dim() == 2 && token_mask->size(0) == batch && token_mask->size(1) >= steps),
+              "the token mask must be [B, >= T]");
+  TORCH_CHECK(!same_document.has_value() ||
+                  (same_document->scalar_type() == at::kBool && same_document->dim() == 3 &&
+                   same_document->size(0) == batch && same_document->size(1) == steps && same_document->size(2) == size),
+              "same_document must be bool [B, T, K]");
+  const at::Tensor sc = same_document.has_value() ? same_document->contiguous() : at::Tensor();
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const at::Tensor pc = past.has_value() ? past->contiguous() : at::Tensor();
   const at::Tensor rc = read.has_value() ? read->contiguous() : at::Tensor();
-  // the token's mask column in x's dtype, as the Python path multiplies it (read in place: no tensor call)
+  // x's mask columns, as doubles (the Python path multiplies x by them in x's dtype): read in place, no tensor call
   std::vector<double> mask;
   if (token_mask.has_value()) {
     const at::Tensor& tm = *token_mask;
-    const int64_t last = (tm.size(1) - 1) * tm.stride(1);
-    mask.resize(batch);
-    AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kHalf, at::kBFloat16, tm.scalar_type(), "one_token_tc_read", [&] {
-      const scalar_t* column = tm.const_data_ptr<scalar_t>() + last;
-      for (int64_t b = 0; b < batch; ++b) mask[b] = static_cast<double>(column[b * tm.stride(0)]);
+    const int64_t first = tm.size(1) - steps;
+    mask.resize(batch * steps);
+    AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kHalf, at::kBFloat16, tm.scalar_type(), "cached_tc_read", [&] {
+      const scalar_t* m = tm.const_data_ptr<scalar_t>();
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t t = 0; t < steps; ++t)
+          mask[b * steps + t] = static_cast<double>(m[b * tm.stride(0) + (first + t) * tm.stride(1)]);
     });
   }
-  std::vector<int64_t> window_shape{batch, size, d};
+  std::vector<int64_t> window_shape{batch, size - 1 + steps, d};
   if (x.dim() == 4) window_shape.push_back(dv);
   at::Tensor window = at::empty(window_shape, x.options());
-  at::Tensor out = at::empty({batch, 1, d}, x.options());
+  at::Tensor out = at::empty({batch, steps, d}, x.options());
   const int64_t past_rows = pc.defined() ? pc.size(1) : 0;
-  if (dtype == at::kFloat) {
-    window_read<float>(pc.defined() ? pc.data_ptr<float>() : nullptr, past_rows, xc.data_ptr<float>(),
-                       mask.empty() ? nullptr : mask.data(),
-                       wc.data_ptr<float>(), rc.defined() ? rc.data_ptr<float>() : nullptr, batch, d, dv, size,
-                       window.data_ptr<float>(), out.data_ptr<float>());
-  } else {
-    window_read<double>(pc.defined() ? pc.data_ptr<double>() : nullptr, past_rows, xc.data_ptr<double>(),
-                        mask.empty() ? nullptr : mask.data(),
-                        wc.data_ptr<double>(), rc.defined() ? rc.data_ptr<double>() : nullptr, batch, d, dv, size,
-                        window.data_ptr<double>(), out.data_ptr<double>());
-  }
+  const double* mp = mask.empty() ? nullptr : mask.data();
+  AT_DISPATCH_FLOATING_TYPES(dtype, "cached_tc_read", [&] {
+    cached_read<scalar_t>(pc.defined() ? pc.const_data_ptr<scalar_t>() : nullptr, past_rows,
+                          xc.const_data_ptr<scalar_t>(), mp, sc.defined() ? sc.const_data_ptr<bool>() : nullptr,
+                          wc.const_data_ptr<scalar_t>(),
+                          rc.defined() ? rc.const_data_ptr<scalar_t>() : nullptr, batch, steps, d, dv, size,
+                          window.mutable_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>());
+  });
   return py::make_tuple(out, window);
 }
 
@@ -246,6 +262,7 @@ py::object one_token_tc_read(const at::Tensor& x, const c10::optional<at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("one_token_delta_update", &one_token_delta_update,
         "The Delta residual update for one decoded token: (new state, beta), or None where it does not apply.");
-  m.def("one_token_tc_read", &one_token_tc_read,
-        "One decoded token's TC read with its cached window: (read, new window), or None where it does not apply.");
+  m.def("cached_tc_read", &cached_tc_read,
+        "The TC read of a forward with a cache and without autograd: (read, new window), or None where it does not "
+        "apply.");
 }
