@@ -222,11 +222,11 @@ class DeltaStateConv(nn.Module):
                 return out
         context = context or DeltaConvContext()
         if state.dim() == 3:  # d_v = 1: the state is [B, T, D], its read the convolution itself, in one pass
-            return context.convolve_read(state, key, self.weight, self.native_read)
+            return context.convolve_read(state, key, weight, self.native_read)
         if read is None:
-            return context.convolve(state, key, self.weight)
+            return context.convolve(state, key, weight)
         # TC: the read vector scales the kernels (W r), and one pass reads the state (`temporal_conv_read`).
-        return context.convolve_read(state, key, self.weight * read[:, None], self.native_read)
+        return context.convolve_read(state, key, weight * read[:, None], self.native_read)
 
     def __getstate__(self) -> dict:
         """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native reads, compiled extensions that cannot
