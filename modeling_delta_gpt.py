@@ -134,9 +134,9 @@ class DeltaConvContext:
     ) -> torch.Tensor | None:
         """The TC read of a forward with a cache and without autograd (a prompt, then each decoded token) with the
         native `kernel` (`ddl_hf.native.enable_native_decoding`): the new window and `convolve_read(x, key,
-        weight * read[:, None])` (d_v = 1: `weight`) in one call. None where it does not apply (no cache, compiling or
-        tracing: an extension call cannot be traced) or the kernel declines, and the tensor path reads."""
-        if self.cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        weight * read[:, None])` (d_v = 1: `weight`) in one call. None without a cache or where the kernel declines,
+        and the tensor path reads."""
+        if self.cache is None:
             return None
         starts = self.document_starts
         document = None if starts is None else same_document_taps(starts, weight.shape[-1])
@@ -171,6 +171,12 @@ class DeltaConvContext:
         return history
 
 
+def _infers_natively() -> bool:
+    """Where an optional native inference kernel may run: autograd off, outside compile, export and jit tracing (an
+    extension call cannot be traced)."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+
+
 class DeltaStateConv(nn.Module):
     """The read of a TC (`"temporal_conv"`) or CC (`"channel_conv"`) variant: a convolution, then the read vector.
 
@@ -182,9 +188,10 @@ class DeltaStateConv(nn.Module):
     # The native training kernels (`ddl_hf.native.enable_native_training`): the TC read in one pass over the state,
     # forward and backward. Optional: None (the default) keeps `temporal_conv_read`'s tensor ops.
     native_read: Any = None
-    # The native TC read of a forward with a cache and without autograd (`ddl_hf.native.enable_native_decoding`): the
-    # read and the new window in one call, for the prompt and each decoded token. Optional: None keeps the tensor ops.
-    cached_read: Callable | None = None
+    # The native read of a forward without autograd (`ddl_hf.native.enable_native_decoding`) in one call: TC's with a
+    # cache (the read and the new window, for the prompt and each decoded token), CC's folded read. Optional: None
+    # keeps the tensor ops.
+    inference_read: Callable | None = None
 
     def __init__(self, kind: str, hidden_size: int, value_channels: int, size: int):
         super().__init__()
@@ -211,15 +218,15 @@ class DeltaStateConv(nn.Module):
 
         All of it happens in `forward`, so that tools which load a module's weights around its forward (accelerate's
         offload hooks) see this weight used."""
-        if self.kind == "channel_conv":
-            if read is None:
-                return channel_conv(state, self.weight)
-            return (state * channel_conv_read_weight(self.weight, read).to(state.dtype)).sum(-1)
         weight = self._parameters["weight"]  # from the dict: decoding is all per-call overhead
-        if self.cached_read is not None and context is not None and (read is None) == (state.dim() == 3):
-            out = context.read_cached(self.cached_read, state, key, weight, read)  # the read, not every channel's
+        if self.inference_read is not None and (read is None) == (state.dim() == 3) and _infers_natively():
+            out = self._read_natively(state, weight, read, context, key)  # the read, not every channel's convolution
             if out is not None:
                 return out
+        if self.kind == "channel_conv":
+            if read is None:
+                return channel_conv(state, weight)
+            return (state * channel_conv_read_weight(weight, read).to(state.dtype)).sum(-1)
         context = context or DeltaConvContext()
         if state.dim() == 3:  # d_v = 1: the state is [B, T, D], its read the convolution itself, in one pass
             return context.convolve_read(state, key, weight, self.native_read)
@@ -228,13 +235,27 @@ class DeltaStateConv(nn.Module):
         # TC: the read vector scales the kernels (W r), and one pass reads the state (`temporal_conv_read`).
         return context.convolve_read(state, key, weight * read[:, None], self.native_read)
 
+    def _read_natively(
+        self,
+        state: torch.Tensor,
+        weight: torch.Tensor,
+        read: torch.Tensor | None,
+        context: DeltaConvContext | None,
+        key: str,
+    ) -> torch.Tensor | None:
+        """The read with `inference_read`: CC's folded read; TC's with its cached window (`read_cached`). None where
+        the kernel declines (or TC runs without a cache), and the tensor ops read."""
+        if self.kind == "channel_conv":
+            return self.inference_read(state, weight, read)
+        return None if context is None else context.read_cached(self.inference_read, state, key, weight, read)
+
     def __getstate__(self) -> dict:
         """Pickling (`torch.save(model)`, `copy.deepcopy`) leaves out the native reads, compiled extensions that cannot
         be pickled: the copy reads with tensor ops (the same values) until `enable_native_training` /
         `enable_native_decoding` is called on it."""
         state = super().__getstate__().copy()
         state.pop("native_read", None)
-        state.pop("cached_read", None)
+        state.pop("inference_read", None)
         return state
 
 

@@ -12,8 +12,8 @@ the same math in one call. It is compiled on first use with `torch.utils.cpp_ext
 It runs exactly where the host path runs (one token at batch 1, CPU, float32/float64, no autograd, plain linear
 gate and value, not while compiling or tracing); everything else keeps the tensor path. The same file holds the TC
 read (`delta_state_read="temporal_conv"`) of a forward with a cache and without autograd, the prompt's and each
-decoded token's: the new window and the read in one call instead of ~10 tensor calls, at any batch size (not in
-packed rows). Nothing else depends on it:
+decoded token's: the new window and the read in one call instead of ~10 tensor calls, at any batch size; and the CC
+read (`"channel_conv"`) of a forward without autograd, likewise. Nothing else depends on it:
 the Hub model files import only torch and transformers, and a model without it gives the same tokens.
 `torch.save(model)` and `copy.deepcopy(model)` leave the kernel out (a compiled function cannot be pickled): the copy
 decodes on the Python host path until `enable_native_decoding` is called on it.
@@ -77,6 +77,11 @@ def load_one_token_kernel(verbose: bool = False) -> Callable:
     return _decoding_kernels(verbose).one_token_delta_update
 
 
+def load_cc_read(verbose: bool = False) -> Callable:
+    """Build (first call; torch caches the build) and return the native CC read of a forward without autograd."""
+    return _decoding_kernels(verbose).cc_read
+
+
 def load_cached_tc_read(verbose: bool = False) -> Callable:
     """Build (first call; torch caches the build) and return the native TC read of a forward with a cache and without
     autograd (`DeltaConvContext.read_cached` calls it)."""
@@ -123,34 +128,37 @@ def _delta_residuals(model: nn.Module, required: bool = False) -> list[nn.Module
 
 
 def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module:
-    """Make every Delta residual of `model` decode one token with the native kernel, and every TC read (the TC
-    read-out's included) of a forward with a cache and without autograd run natively; returns `model`.
+    """Make every Delta residual of `model` decode one token with the native kernel, and every TC and CC read (the
+    read-out's included) of a forward without autograd run natively (TC's where a cache keeps its window); returns
+    `model`.
 
     Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
     without Delta residuals."""
     residuals = _delta_residuals(model, required=True)
-    kernel, tc_read = load_one_token_kernel(verbose), load_cached_tc_read(verbose)
+    kernel, kernels = load_one_token_kernel(verbose), _decoding_kernels(verbose)
     for residual in residuals:
         residual.one_token_kernel = kernel
-    for read in _tc_reads(model):
-        read.cached_read = tc_read
+    for read in _conv_reads(model):
+        read.inference_read = kernels.cached_tc_read if read.kind == "temporal_conv" else kernels.cc_read
     return model
 
 
 def disable_native_decoding(model: nn.Module) -> nn.Module:
-    """Back to the Python host path for every Delta residual and TC read of `model`; returns `model`."""
+    """Back to the Python host path for every Delta residual and TC / CC read of `model`; returns `model`."""
     for residual in _delta_residuals(model):
         residual.__dict__.pop("one_token_kernel", None)
-    for read in _tc_reads(model):
-        read.__dict__.pop("cached_read", None)
+    for read in _conv_reads(model):
+        read.__dict__.pop("inference_read", None)
     return model
 
 
+def _conv_reads(model: nn.Module) -> list[nn.Module]:
+    # Duck-typed like `_delta_residuals`: the TC and CC reads (DeltaStateConv).
+    return [module for module in model.modules() if hasattr(type(module), "native_read")]
+
+
 def _tc_reads(model: nn.Module) -> list[nn.Module]:
-    # Duck-typed like `_delta_residuals`: the TC convolutions.
-    return [
-        module for module in model.modules() if hasattr(type(module), "native_read") and module.kind == "temporal_conv"
-    ]
+    return [module for module in _conv_reads(model) if module.kind == "temporal_conv"]
 
 
 def enable_native_training(model: nn.Module, verbose: bool = False) -> nn.Module:

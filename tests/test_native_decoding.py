@@ -18,7 +18,7 @@ from test_fast_paths import CASES, Doubled, assert_greedy_decoding_matches_the_p
 
 import ddl_hf.modeling_delta_gpt as modeling
 import ddl_hf.native as native
-from ddl_hf.delta_ops import delta_update, same_document_taps, temporal_conv, unit_direction
+from ddl_hf.delta_ops import channel_conv, delta_update, same_document_taps, temporal_conv, unit_direction
 from ddl_hf.modeling_delta_gpt import DeltaResidual, DeltaStateConv
 from ddl_hf.native import NativeKernelUnavailable, disable_native_decoding, enable_native_decoding
 
@@ -175,9 +175,9 @@ def test_enable_finds_the_residuals_of_a_model_loaded_as_hub_custom_code(kernel,
     assert reads and all(type(m) is not DeltaStateConv for m in reads)
     enable_native_decoding(model)
     assert all(m.one_token_kernel is kernel for m in residuals)
-    assert all(m.cached_read is native.load_cached_tc_read() for m in reads)
+    assert all(m.inference_read is native.load_cached_tc_read() for m in reads)
     disable_native_decoding(model)
-    assert all(m.one_token_kernel is None for m in residuals) and all(m.cached_read is None for m in reads)
+    assert all(m.one_token_kernel is None for m in residuals) and all(m.inference_read is None for m in reads)
 
 
 def test_enable_refuses_a_model_without_delta_residuals():
@@ -237,9 +237,9 @@ def test_a_model_with_the_kernel_enabled_pickles_without_it_and_decodes_the_same
         residuals = [m for m in copy_.modules() if isinstance(m, DeltaResidual)]
         reads = [m for m in copy_.modules() if isinstance(m, DeltaStateConv)]
         assert residuals and all(m.one_token_kernel is None for m in residuals)
-        assert reads and all(m.cached_read is None for m in reads)
+        assert reads and all(m.inference_read is None for m in reads)
     assert all(m.one_token_kernel is kernel for m in model.modules() if isinstance(m, DeltaResidual))
-    assert all(m.cached_read is not None for m in model.modules() if isinstance(m, DeltaStateConv))
+    assert all(m.inference_read is not None for m in model.modules() if isinstance(m, DeltaStateConv))
     prompt = torch.tensor([[5, 9, 2]])
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
@@ -344,23 +344,29 @@ def test_the_native_tc_read_declines_what_the_tensor_path_keeps_and_refuses_malf
 
 
 def counting_reads(model) -> list:
-    """Spy on the native TC reads that `enable_native_decoding` gave `model`: one entry per read it did."""
+    """Spy on the native TC / CC reads that `enable_native_decoding` gave `model`: one entry per read it did."""
     calls = []
     for module in model.modules():
-        if isinstance(module, DeltaStateConv) and module.kind == "temporal_conv":
-            module.cached_read = counting(module.cached_read, calls)
+        if isinstance(module, DeltaStateConv):
+            module.inference_read = counting(module.inference_read, calls)
     return calls
 
 
-@pytest.mark.parametrize("variant", ["tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4"])
-def test_decoding_with_the_native_tc_read_gives_the_tokens_of_the_tensor_path(kernel, variant):
-    """Greedy decoding, batch 1 and a left-padded batch of 2: every TC read of the prompt and of every decoding step
-    goes through the kernel, and tokens and scores are those of the Python path."""
-    model = delta_model(CLIENT_VARIANTS[variant])
+READ_VARIANTS = {name: CLIENT_VARIANTS[name] for name in ("tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4", "cc-dv4")}
+READ_VARIANTS["cc-ec-paper-dv4"] = dict(
+    CLIENT_VARIANTS["paper-dv4"], delta_state_read="channel_conv", delta_embed_expand="conv"
+)
+
+
+@pytest.mark.parametrize("variant", list(READ_VARIANTS))
+def test_decoding_with_the_native_reads_gives_the_tokens_of_the_tensor_path(kernel, variant):
+    """Greedy decoding, batch 1 and a left-padded batch of 2: every TC / CC read of the prompt and of every decoding
+    step goes through the kernel, and tokens and scores are those of the Python path."""
+    model = delta_model(READ_VARIANTS[variant])
     scramble_delta_weights(model)
-    forwards = []  # the TC reads of the tensor path: one per module and forward (two with a shared read)
+    forwards = []  # the reads of the tensor path: one per module and forward (two with a shared read)
     for module in model.modules():
-        if isinstance(module, DeltaStateConv) and module.kind == "temporal_conv":
+        if isinstance(module, DeltaStateConv):
             module.register_forward_hook(lambda *args: forwards.append(1))
     prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
@@ -378,4 +384,42 @@ def test_decoding_with_the_native_tc_read_gives_the_tokens_of_the_tensor_path(ke
         assert reads >= 3 and len(calls) == reads * 7  # every read of every forward
         assert torch.equal(fast.sequences, plain.sequences)
         torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
-    assert all(m.cached_read is None for m in model.modules() if isinstance(m, DeltaStateConv))
+    assert all(m.inference_read is None for m in model.modules() if isinstance(m, DeltaStateConv))
+
+
+# The CC read of a forward without autograd (`cc_read`), against the definition: the channel convolution, then the
+# read vector.
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 5)], ids=["one token", "2x5"])
+def test_the_native_cc_read_is_the_channel_convolution_then_the_read(kernel, size, shape):
+    cc_read = native.load_cc_read()
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(*shape, 16, 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(16, size, generator=g, dtype=torch.float64)
+    read = torch.randn(4, generator=g, dtype=torch.float64)
+    expected = channel_conv(x, weight) @ read
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        with torch.inference_mode():
+            out = cc_read(x.to(dtype), weight.to(dtype), read.to(dtype))
+        assert out.shape == (*shape, 16) and out.dtype == dtype
+        torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_native_cc_read_declines_what_the_tensor_path_keeps_and_refuses_malformed_inputs(kernel):
+    cc_read = native.load_cc_read()
+    x, weight, read = torch.randn(1, 1, 16, 4), torch.randn(16, 3), torch.randn(4)
+    assert cc_read(x, weight, read) is None  # autograd is on
+    with torch.no_grad():
+        assert cc_read(x.bfloat16(), weight.bfloat16(), read.bfloat16()) is None
+        assert cc_read(x, weight.double(), read) is None
+        assert cc_read(x.to("meta"), weight, read) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert cc_read(x, weight, read) is None
+        with pytest.raises(RuntimeError, match=r"CC weight must be \[D, K\]"):
+            cc_read(x, torch.randn(16, 5), read)  # K > d_v
+        with pytest.raises(RuntimeError, match=r"CC weight must be \[D, K\]"):
+            cc_read(x, weight[:-1], read)
+        with pytest.raises(RuntimeError, match="read vector must have d_v entries"):
+            cc_read(x, weight, read[:-1])

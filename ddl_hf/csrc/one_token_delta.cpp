@@ -1,6 +1,6 @@
 // The Delta residual update for one decoded token on the CPU, as one native call (ddl_hf.native); and, below, the
-// TC read of a forward with a cache and without autograd (cached_tc_read: a prompt, then each decoded token), also
-// one call.
+// TC read of a forward with a cache and without autograd (cached_tc_read: a prompt, then each decoded token) and the
+// CC read of a forward without autograd (cc_read), also one call each.
 //
 // The same math as delta_ops.one_token_delta_update (and, with beta and v computed here, as
 // DeltaResidual._update_one_token): the gate logit g = w_g . c + b_g, beta = 2 sigmoid(g) clamp(beta_open, 0, 1),
@@ -257,6 +257,48 @@ py::object cached_tc_read(const at::Tensor& x, const c10::optional<at::Tensor>& 
   return py::make_tuple(out, window);
 }
 
+// The CC read (DeltaStateConv, `delta_state_read="channel_conv"`) of a forward without autograd: the convolution
+// across the value channels folded into the read vector, w[d, c] = sum_j W[d, j] r[c + p - j] (zero outside
+// [0, d_v), p = (K - 1) / 2), then out[n, d] = sum_c x[n, d, c] w[d, c]. The same math as
+// delta_ops.channel_conv_read_weight and the multiply-sum after it, in one call instead of ~10 tensor calls; sums
+// in double precision. (read [..., D]), or None where the tensor path keeps it (autograd or CPU autocast on, not
+// every tensor on the CPU in x's float32 / float64 dtype).
+py::object cc_read(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& read) {
+  const auto dtype = x.scalar_type();
+  const bool applies = !at::GradMode::is_enabled() && !at::autocast::is_autocast_enabled(at::kCPU) && x.dim() >= 2 &&
+                       (dtype == at::kFloat || dtype == at::kDouble) && same_dtype_on_cpu(x, dtype) &&
+                       same_dtype_on_cpu(weight, dtype) && same_dtype_on_cpu(read, dtype);
+  if (!applies) return py::none();
+  const int64_t d = x.size(-2), dv = x.size(-1);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == d && weight.size(1) >= 1 && weight.size(1) <= dv,
+              "the CC weight must be [D, K] with the state's D and 1 <= K <= d_v");
+  TORCH_CHECK(read.numel() == dv, "the read vector must have d_v entries");
+  const int64_t size = weight.size(1), left = (size - 1) / 2, rows = x.numel() / (d * dv);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), rc = read.contiguous();
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options());
+  AT_DISPATCH_FLOATING_TYPES(dtype, "cc_read", [&] {
+    const scalar_t* w = wc.const_data_ptr<scalar_t>();
+    const scalar_t* r = rc.const_data_ptr<scalar_t>();
+    std::vector<double> folded(d * dv, 0.0);  // w[d, c]: each input channel collects the read weights it reaches
+    for (int64_t i = 0; i < d; ++i)
+      for (int64_t c = 0; c < dv; ++c)
+        for (int64_t j = 0; j < size; ++j) {
+          const int64_t o = c + left - j;  // the output channel that tap j of input channel c feeds
+          if (o >= 0 && o < dv) folded[i * dv + c] += static_cast<double>(w[i * size + j]) * static_cast<double>(r[o]);
+        }
+    const scalar_t* xp = xc.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t i = 0; i < d; ++i) {
+        const scalar_t* xi = xp + (n * d + i) * dv;
+        double sum = 0.0;
+        for (int64_t c = 0; c < dv; ++c) sum += static_cast<double>(xi[c]) * folded[i * dv + c];
+        op[n * d + i] = static_cast<scalar_t>(sum);
+      }
+  });
+  return py::cast(out);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -265,4 +307,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cached_tc_read", &cached_tc_read,
         "The TC read of a forward with a cache and without autograd: (read, new window), or None where it does not "
         "apply.");
+  m.def("cc_read", &cc_read, "The CC read of a forward without autograd, or None where it does not apply.");
 }
