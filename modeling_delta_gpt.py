@@ -63,6 +63,7 @@ from transformers.utils import can_return_tuple
 from .configuration_delta_gpt import DeltaGPTConfig
 from .delta_ops import (
     _WIDE_FLOATS,
+    _native_applies,
     at_least_float32,
     channel_conv,
     channel_conv_read_weight,
@@ -171,12 +172,6 @@ class DeltaConvContext:
         return history
 
 
-def _infers_natively() -> bool:
-    """Where an optional native inference kernel may run: autograd off, outside compile, export and jit tracing (an
-    extension call cannot be traced)."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-
-
 class DeltaStateConv(nn.Module):
     """The read of a TC (`"temporal_conv"`) or CC (`"channel_conv"`) variant: a convolution, then the read vector.
 
@@ -219,8 +214,13 @@ class DeltaStateConv(nn.Module):
         All of it happens in `forward`, so that tools which load a module's weights around its forward (accelerate's
         offload hooks) see this weight used."""
         weight = self._parameters["weight"]  # from the dict: decoding is all per-call overhead
-        if self.inference_read is not None and (read is None) == (state.dim() == 3) and _infers_natively():
-            out = self._read_natively(state, weight, read, context, key)  # the read, not every channel's convolution
+        if (
+            self.inference_read is not None
+            and (read is None) == (state.dim() == 3)  # the read, not every channel's convolution
+            and not torch.is_grad_enabled()
+            and _native_applies(state)
+        ):
+            out = self._read_natively(state, weight, read, context, key)
             if out is not None:
                 return out
         if self.kind == "channel_conv":

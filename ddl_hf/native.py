@@ -135,9 +135,9 @@ def enable_native_decoding(model: nn.Module, verbose: bool = False) -> nn.Module
     Raises `NativeKernelUnavailable` (naming what is missing) where it cannot be built, and ValueError for a model
     without Delta residuals."""
     residuals = _delta_residuals(model, required=True)
-    kernel, kernels = load_one_token_kernel(verbose), _decoding_kernels(verbose)
+    kernels = _decoding_kernels(verbose)
     for residual in residuals:
-        residual.one_token_kernel = kernel
+        residual.one_token_kernel = kernels.one_token_delta_update
     for read in _conv_reads(model):
         read.inference_read = kernels.cached_tc_read if read.kind == "temporal_conv" else kernels.cc_read
     return model
