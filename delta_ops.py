@@ -1,23 +1,31 @@
-"""Deep Delta Learning kernels: the Delta residual update over depth, and the delta rule over time (DeltaNet).
+"""Deep Delta Learning ops: the Delta residual update over depth, the reads of the expanded state, and the delta rule
+over time (DeltaNet).
 
-The one place where the Delta math lives. Plain tensor functions, no modules and no parameters, so that every
-model family and every test can share them:
+The one place where the Delta math lives. Plain tensor functions, no modules and no parameters, so that every model
+family and every test can share them. Each op has one entry point that the layers call, and its readable reference
+beside it (as fla keeps `naive.py` beside its kernels; the tests compare the two):
 
-* `delta_update`: the readable reference of the Delta residual write (paper eq. 2.5), and `fused_delta_update`,
-  the same math in fewer passes over memory with a hand-derived backward (what the models run);
-  `one_token_delta_update`, the same again with the per-token scalars on the host (decoding one token on the CPU).
-* `delta_rule_recurrent` / `delta_rule_chunkwise`: DeltaNet's delta rule over the sequence, one token at a time
-  (the reference and the decoding step) and chunkwise-parallel (training and prefill).
+| op | entry point (what the layers call) | readable reference |
+| --- | --- | --- |
+| Delta residual write (eq. 2.5) | `fused_delta_update` | `delta_update(X, unit_direction(h), ...)` |
+| TC read (temporal conv, then the read vector) | `temporal_conv_read` | `temporal_conv(...).sum(-1)` |
+| CC read (channel conv, then the read vector) | `channel_conv_read` | `channel_conv(X, W) @ r` |
+| EC expansion of the embedding | `temporal_conv` | itself |
+| DeltaNet rule over time | `delta_rule_chunkwise` | `delta_rule_recurrent` |
+
+Optional kernels (the native CPU kernels of `ddl_hf.native`, any later GPU kernel) register with an entry point
+through `register_kernel`; the entry point runs a registered kernel where its `applies` says so and its own tensor
+ops elsewhere. The model code never sees a kernel.
 
 Self-contained Hub custom-code file: it imports only torch and, for torch's `scan` op, its sibling `delta_compat.py`.
-`modeling_delta_gpt.py` imports it relatively, and transformers' `save_pretrained` copies it next to the weights with
-the other code files.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import sys
+import types
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -25,7 +33,62 @@ from torch import nn
 from .delta_compat import DELTA_NET_DYNAMIC_EXPORT, scan
 
 # ----------------------------------------------------------------------------------------------------------------
-# The Delta math: the one place where the update rule lives.
+# Optional kernels: one registry, keyed by op.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DeltaKernel(NamedTuple):
+    """A backend's implementation of one op: its forward, its backward and where it applies.
+
+    - `"delta_update"`: `forward(state [N, D, d_v], h [N, D], beta [N], value [N, d_v], eps, additive, erase) ->
+      (new_state, r [N, 1], h^T X [N, d_v] or None)` and `backward(grad, state, h, beta, value, r, hx, eps, additive,
+      erase, needs_input_grad[4]) -> (d_state, d_h, d_beta, d_value)`, as `_fused_delta_forward` and
+      `_FusedDeltaUpdate.backward` define them.
+    - `"tc_read"`: `forward(x, weight, past, same_document) -> read` and `backward(grad, x, weight, past,
+      same_document, need_x, need_weight) -> (d_x, d_weight)`, as `_TemporalConvRead` defines them.
+
+    `applies(tensor) -> bool` says whether the kernel can take this op's inputs (device, dtype, not while compiling).
+    """
+
+    forward: Callable
+    backward: Callable
+    applies: Callable[[torch.Tensor], bool]
+
+
+KERNEL_OPS = ("delta_update", "tc_read")
+# One registry for every copy of this file: the package's, and each copy that transformers loads as Hub custom code
+# (`transformers_modules.<repo>.delta_ops`), so that a kernel registered through `ddl_hf` reaches those models too.
+_REGISTRY = "ddl_hf_delta_kernels"
+_KERNELS: dict[str, DeltaKernel] = vars(sys.modules.setdefault(_REGISTRY, types.ModuleType(_REGISTRY))).setdefault(
+    "kernels", {}
+)
+
+
+def register_kernel(op: str, kernel: DeltaKernel | None) -> None:
+    """Make `op`'s entry point run `kernel` where `kernel.applies` (None: back to the tensor ops). Process-wide,
+    like torch's own backends: every model's Delta residuals and reads use it."""
+    if op not in KERNEL_OPS:
+        raise ValueError(f"register_kernel: unknown op {op!r}; the ops that take a kernel are {KERNEL_OPS}.")
+    if kernel is None:
+        _KERNELS.pop(op, None)
+    elif not all(callable(getattr(kernel, name, None)) for name in DeltaKernel._fields):
+        raise TypeError(f"register_kernel: expected a DeltaKernel(forward, backward, applies), got {type(kernel)}.")
+    else:
+        _KERNELS[op] = kernel
+
+
+def registered_kernel(op: str) -> DeltaKernel | None:
+    """The kernel registered for `op`, or None."""
+    return _KERNELS.get(op)
+
+
+def _kernel_for(op: str, x: torch.Tensor) -> DeltaKernel | None:
+    kernel = _KERNELS.get(op)
+    return kernel if kernel is not None and kernel.applies(x) else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Delta residual write (paper eq. 2.5): the readable reference, then the fused entry point.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -82,35 +145,9 @@ def unit_direction(h: torch.Tensor, eps: float) -> torch.Tensor:
     return h * torch.rsqrt(h.square().sum(-1, keepdim=True) + eps * eps)
 
 
-def constant(value: float, like: torch.Tensor) -> torch.Tensor:
-    """`value` as a 0-dim tensor of `like`'s dtype and device, made once and reused.
-
-    `x + 1.0` wraps the Python float into a fresh tensor on every call: on a decode-sized tensor that costs as much
-    as the op itself (~2 µs on CPU). A 0-dim operand of the same dtype gives the same bits (TensorIterator casts a
-    Python float to the op's dtype too). Made outside inference mode, so that autograd may use it later; never
-    written to. While torch.compile / export traces, a fresh tensor (a graph constant): a strict export refuses a
-    tensor held in a global.
-    """
-    if torch.compiler.is_compiling():
-        return torch.full((), value, dtype=like.dtype, device=like.device)
-    key = (value, like.dtype, like.device)
-    tensor = _CONSTANTS.get(key)
-    if tensor is None:
-        with torch.inference_mode(False):
-            tensor = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return tensor
-
-
-_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
-
-
 def delta_gate(logit: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """beta = 2 sigmoid(g) rho, the gate of every Delta residual (shaped like the logit, `[..., 1]`).
-
-    `addcmul(0, sigmoid(g), rho, value=2)`: one op for `sigmoid(g) * (rho + rho)`, same bits (the factor 2 is
-    exact in any order), no Python-scalar operand.
-    """
-    return torch.addcmul(constant(0.0, rho), torch.sigmoid(logit), rho, value=2.0)
+    """beta = 2 sigmoid(g) rho, the gate of every Delta residual, in [0, 2] (shaped like the logit)."""
+    return 2.0 * torch.sigmoid(logit) * rho
 
 
 def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -137,8 +174,8 @@ def straight_through_clamp(x: torch.Tensor, low: float, high: float) -> torch.Te
 def _dot(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """h^T x over the hidden dim: `[..., 1]` for a vector x `[..., D]`, `[..., d_v]` for an expanded `[..., D, d_v]`."""
     if x.dim() == h.dim():
-        return (h * x).sum(-1, keepdim=True)  # what vecdot does on CPU, in fewer dispatches
-    return (h.unsqueeze(-2) @ x).squeeze(-2)  # a batched matvec; cheaper than einsum's set-up when decoding
+        return (h * x).sum(-1, keepdim=True)
+    return (h.unsqueeze(-2) @ x).squeeze(-2)
 
 
 def _outer(h: torch.Tensor, s: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,34 +202,43 @@ def _fused_delta_forward(
     erase: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The new state, r `[..., 1]` and h^T X `[..., d_v]` (None without erase; the last two are saved for the
-    backward).
-
-    Written for the fewest dispatches, because decoding one token is all dispatch: constants as 0-dim tensors
-    (`constant`), `+ 1` folded into an addcmul, about 10 ops in all (d_v = 1).
-    """
+    backward). beta is `[..., 1]`."""
     hf = at_least_float32(h)
-    r = torch.rsqrt(_dot(hf, hf) + constant(eps * eps, hf))
-    rb = r * (beta if beta.dim() == h.dim() else beta.unsqueeze(-1))
+    r = torch.rsqrt(_dot(hf, hf) + eps * eps)
+    rb = r * beta
     if erase:
         hx = _dot(hf, at_least_float32(state))
         coefficient = torch.addcmul(value, r, hx, value=-1.0)  # v - k^T X
     else:
         hx, coefficient = None, value
     # r beta (v - k^T X), + 1 in additive mode: exactly 1 when beta == 0, so X' == X + h bit for bit.
-    scale = torch.addcmul(constant(1.0, rb), rb, coefficient) if additive else rb * coefficient
+    scale = torch.addcmul(rb.new_ones(()), rb, coefficient) if additive else rb * coefficient
     out = torch.addcmul(state, *_outer(h, scale, state))
     out_dtype = torch.promote_types(state.dtype, h.dtype) if additive and h.dtype != state.dtype else state.dtype
-    return (out if out.dtype == out_dtype else out.to(out_dtype)), r, hx
+    return out.to(out_dtype), r, hx
+
+
+def _flat(state, h, beta, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """state, h, beta, value as a kernel takes them: `[N, D, d_v]`, `[N, D]`, `[N]`, `[N, d_v]` (d_v = 1 for a vector
+    state). Views where the tensors are contiguous."""
+    dim, channels = h.shape[-1], value.shape[-1]
+    tokens = h.numel() // dim
+    return (
+        state.reshape(tokens, dim, channels),
+        h.reshape(tokens, dim),
+        beta.reshape(tokens),
+        value.reshape(tokens, channels),
+    )
 
 
 class _FusedDeltaUpdate(torch.autograd.Function):
-    """One autograd node per Delta block with a hand-derived backward (see the formulas above). `kernel`
-    (`ddl_hf.native`'s training kernels, or None) runs the same forward and backward in one pass over the state."""
+    """One autograd node per Delta block with a hand-derived backward (see the formulas above); `kernel` (a
+    registered "delta_update" kernel, or None) runs the same forward and backward."""
 
     @staticmethod
     def forward(ctx, state, h, beta, value, eps, additive, erase, kernel):
         if kernel is not None:
-            out, r, hx = kernel.delta_update_forward(*_native_layout(state, h, beta, value), eps, additive, erase)
+            out, r, hx = kernel.forward(*_flat(state, h, beta, value), eps, additive, erase)
             out = out.view(state.shape)
         else:
             out, r, hx = _fused_delta_forward(state, h, beta, value, eps, additive, erase)
@@ -206,10 +252,10 @@ class _FusedDeltaUpdate(torch.autograd.Function):
         state, h, beta, value, r, hx = ctx.saved_tensors
         erase = ctx.erase
         if ctx.kernel is not None:
-            grad_flat, h_flat, beta_flat, value_flat = _native_layout(grad_out, h, beta, value)
+            grad_flat, h_flat, beta_flat, value_flat = _flat(grad_out, h, beta, value)
             x_flat = None if state is None else state.reshape(grad_flat.shape)
             needs = list(ctx.needs_input_grad[:4])
-            grads = ctx.kernel.delta_update_backward(
+            grads = ctx.kernel.backward(
                 grad_flat, x_flat, h_flat, beta_flat, value_flat, r, hx, ctx.eps, ctx.additive, erase, needs
             )
             shaped = (
@@ -217,56 +263,24 @@ class _FusedDeltaUpdate(torch.autograd.Function):
             )
             return (*shaped, None, None, None, None)
         g, hf = at_least_float32(grad_out), at_least_float32(h)
-        keepdim = beta.dim() == h.dim()  # beta `[..., 1]` rather than `[...]`
-        b = beta if keepdim else beta.unsqueeze(-1)
         hg = _dot(hf, g)  # h^T g, so k^T g = r hg
         residual = value - r * hx if erase else value  # v - k^T X
-        b_kg = b * r * hg  # beta k^T g = dL/dv
+        b_kg = beta * r * hg  # beta k^T g = dL/dv
         grad_state = grad_h = None
         if ctx.needs_input_grad[0]:
             grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)) if erase else g
             grad_state = grad_state.to(ctx.state_dtype)
         if ctx.needs_input_grad[1]:
-            coef = b * residual
+            coef = beta * residual
             scale = r * coef + 1.0 if ctx.additive else r * coef
             h_dot_dk = (hg * coef - hx * b_kg if erase else hg * coef).sum(-1, keepdim=True)
             grad_h = _mix(g, scale) - hf * (r * r * r * h_dot_dk)
             if erase:
                 grad_h = grad_h + _mix(at_least_float32(state), -r * b_kg)
             grad_h = grad_h.to(h.dtype)
-        grad_beta = (r * hg * residual).sum(-1, keepdim=keepdim) if ctx.needs_input_grad[2] else None
+        grad_beta = (r * hg * residual).sum(-1, keepdim=True) if ctx.needs_input_grad[2] else None
         grad_value = b_kg if ctx.needs_input_grad[3] else None
         return grad_state, grad_h, grad_beta, grad_value, None, None, None, None
-
-
-def _native_layout(state, h, beta, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """state, h, beta, value as the native update takes them: `[N, D, d_v]`, `[N, D]`, `[N]`, `[N, d_v]` (d_v = 1
-    for a vector state). Views where the tensors are contiguous."""
-    dim, channels = h.shape[-1], value.shape[-1]
-    tokens = h.numel() // dim
-    return (
-        state.reshape(tokens, dim, channels),
-        h.reshape(tokens, dim),
-        beta.reshape(tokens),
-        value.reshape(tokens, channels),
-    )
-
-
-def _native_update_applies(state, h, beta, value) -> bool:
-    """The native update takes tensors of one dtype, shaped as `_fused_delta_forward` is called by the model (no
-    broadcasting), where `_native_applies`."""
-    expanded = state.dim() == h.dim() + 1
-    channels = state.shape[-1] if expanded else 1
-    return (
-        _native_applies(state)
-        and h.dim() >= 1
-        and h.shape[-1] > 0
-        and state.dtype == h.dtype == beta.dtype == value.dtype
-        and (expanded or state.dim() == h.dim())
-        and state.shape[: h.dim()] == h.shape
-        and value.shape == (*h.shape[:-1], channels)
-        and beta.shape in (h.shape[:-1], (*h.shape[:-1], 1))
-    )
 
 
 def fused_delta_update(
@@ -277,71 +291,39 @@ def fused_delta_update(
     eps: float,
     additive: bool,
     erase: bool = True,
-    kernel: Any = None,
 ) -> torch.Tensor:
-    """`delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
+    """The Delta residual write, the entry point every Delta residual calls:
+    `delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
 
-    `beta` is `[...]`, or `[..., 1]` as `delta_gate` makes it (saves a reshape per call when decoding). Under
-    autograd it is one node that saves only X, h and per-token scalars; without autograd it is a plain function
-    (no node, fewest ops: what generation runs). `kernel`: the optional native training kernels
-    (`ddl_hf.native.enable_native_training`), used where `_native_update_applies`.
+    state `[..., D]` or `[..., D, d_v]` (its dtype is kept), h `[..., D]`, beta `[..., 1]` (or `[...]`) and value
+    `[..., d_v]` (float32 or float64). Under autograd it is one node that saves only X, h and per-token scalars;
+    without autograd a plain function (what generation runs). A registered "delta_update" kernel runs where it applies.
     """
-    if kernel is not None and not _native_update_applies(state, branch_output, beta, value):
+    if beta.dim() != branch_output.dim():
+        beta = beta.unsqueeze(-1)  # [...] -> [..., 1]
+    kernel = _kernel_for("delta_update", state)
+    tokens = branch_output.shape[:-1]
+    if (
+        kernel is not None
+        and not (
+            state.dtype == branch_output.dtype == beta.dtype == value.dtype  # kernels take one dtype, no broadcasting
+            and state.shape[: branch_output.dim()] == branch_output.shape
+            and beta.shape[:-1] == value.shape[:-1] == tokens
+        )
+    ):
         kernel = None
     if torch.is_grad_enabled() and (
         state.requires_grad or branch_output.requires_grad or beta.requires_grad or value.requires_grad
     ):
         return _FusedDeltaUpdate.apply(state, branch_output, beta, value, eps, additive, erase, kernel)
     if kernel is not None:
-        flat = _native_layout(state, branch_output, beta, value)
-        return kernel.delta_update_forward(*flat, eps, additive, erase)[0].view(state.shape)
+        return kernel.forward(*_flat(state, branch_output, beta, value), eps, additive, erase)[0].view(state.shape)
     return _fused_delta_forward(state, branch_output, beta, value, eps, additive, erase)[0]
-
-
-def sigmoid(x: float) -> float:
-    """The logistic function of a Python float, without overflow for any input (`math.exp` raises above ~709)."""
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    z = math.exp(x)  # also NaN in, NaN out
-    return z / (1.0 + z)
-
-
-def one_token_delta_update(
-    state: torch.Tensor,
-    branch_output: torch.Tensor,
-    beta: float,
-    value: torch.Tensor,
-    eps: float,
-    additive: bool,
-    erase: bool = True,
-) -> torch.Tensor:
-    """`fused_delta_update` for a single token, with the gate beta a Python float and v `[d_v]` (no autograd).
-
-    Decoding one token on the CPU is all dispatch: each tensor op costs ~2 µs of overhead for a few hundred flops,
-    and the fused update spends ~10 of them on per-token scalars. Here the scalars live on the host where they can:
-    `h^T h` is read back and r computed in double precision; at d_v = 1 `h^T X` and v too, so that
-    `s = r beta (v - r h^T X) (+ 1)` is one Python float and the write one op, `X + s h`; at d_v > 1 s is one `add`
-    over the d_v channels and the write one `addr`, `X + h s^T`. About a third of the fused path's time per call.
-
-    For CPU tensors only: on an accelerator a read-back would synchronise the device. beta == 0 gives s == 1
-    (additive) or 0 (paper) exactly, so the result is `X + h` or X bit for bit, as in the other paths.
-    """
-    h = branch_output.reshape(-1)  # [D]
-    r = 1.0 / math.sqrt(torch.dot(h, h).item() + eps * eps)
-    rb = r * beta
-    if state.dim() == branch_output.dim():  # d_v = 1: s is one number
-        coefficient = value.item() - r * torch.dot(h, state.reshape(-1)).item() if erase else value.item()
-        return torch.add(state, branch_output, alpha=rb * coefficient + (1.0 if additive else 0.0))
-    x = state.reshape(h.shape[0], -1)  # [D, d_v]
-    coefficient = torch.add(value, torch.mv(x.t(), h), alpha=-r) if erase else value  # v - k^T X
-    if additive:  # s = r beta (v - k^T X) + 1
-        return torch.addr(x, h, torch.add(constant(1.0, x), coefficient, alpha=rb)).view(state.shape)
-    return torch.addr(x, h, coefficient, alpha=rb).view(state.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The reads of the expanded state used by the paper's variants (TC, CC, EC; docs/variants.md): short depthwise
-# convolutions, over tokens or over the value channels. Plain functions like the rest of this file.
+# convolutions, over tokens or over the value channels.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -386,14 +368,21 @@ def _taps(x: torch.Tensor, past: torch.Tensor | None, size: int):
             yield j, slice(0, n), past[:, size - 1 - lag : size - 1 - lag + n], None
 
 
-class _TemporalConvRead(torch.autograd.Function):
-    """`temporal_conv(cat([past, x]), weight).sum(-1)` without the padded history: the taps accumulate in place into
-    one `[B, T, D, d_v]` buffer (an in-place multiply-add each, no product kept) that is summed over the value channels
-    once, and the backward saves only x (which the Delta update keeps anyway). `past` is a cached window: no
-    gradient. Memory-bound on the CPU: each tap is one pass over the state (docs/performance.md).
+def _tc_read_forward(x, w, past, same_document) -> torch.Tensor:
+    """The TC read's forward with tensor ops: the taps accumulate in place into one `[B, T, D, d_v]` buffer, summed
+    over the value channels once."""
+    taps = torch.zeros_like(x)
+    for j, rows, source, _ in _taps(x, past, w.shape[-1]):
+        if same_document is not None:
+            source = source * same_document[:, rows, j, None, None].to(x.dtype)
+        taps[:, rows].addcmul_(source, w[..., j])
+    return taps.sum(-1)
 
-    `kernel` (`ddl_hf.native`'s TC read, or None) does the same forward and backward in one pass over the state each,
-    where `_native_applies`."""
+
+class _TemporalConvRead(torch.autograd.Function):
+    """`temporal_conv(cat([past, x]), weight).sum(-1)` without the padded history; the backward saves only x (which
+    the Delta update keeps anyway). `past` is a cached window: no gradient. `kernel`: a registered "tc_read" kernel,
+    or None."""
 
     @staticmethod
     def forward(ctx, x, weight, past, same_document, kernel):
@@ -401,20 +390,15 @@ class _TemporalConvRead(torch.autograd.Function):
         ctx.save_for_backward(x, w, past, same_document)
         ctx.weight_dtype, ctx.kernel = weight.dtype, kernel
         if kernel is not None:
-            return kernel.tc_read_forward(x, w, past, same_document)
-        taps = torch.zeros_like(x)
-        for j, rows, source, _ in _taps(x, past, w.shape[-1]):
-            if same_document is not None:
-                source = source * same_document[:, rows, j, None, None].to(x.dtype)
-            taps[:, rows].addcmul_(source, w[..., j])
-        return taps.sum(-1)
+            return kernel.forward(x, w, past, same_document)
+        return _tc_read_forward(x, w, past, same_document)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, w, past, same_document = ctx.saved_tensors
         if ctx.kernel is not None:
             need_x, need_w = ctx.needs_input_grad[:2]
-            grad_x, grad_w = ctx.kernel.tc_read_backward(grad_out, x, w, past, same_document, need_x, need_w)
+            grad_x, grad_w = ctx.kernel.backward(grad_out, x, w, past, same_document, need_x, need_w)
             return grad_x if need_x else None, grad_w.to(ctx.weight_dtype) if need_w else None, None, None, None
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
@@ -430,40 +414,26 @@ class _TemporalConvRead(torch.autograd.Function):
         return grad_x, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None
 
 
-def _native_applies(x: torch.Tensor) -> bool:
-    """Where a native kernel can stand in for tensor ops: CPU float32 / float64, outside compile, export and jit
-    tracing (an opaque extension call cannot be traced)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-    )
-
-
 def temporal_conv_read(
     x: torch.Tensor,
     weight: torch.Tensor,
     past: torch.Tensor | None = None,
     same_document: torch.Tensor | None = None,
-    kernel: Any = None,
 ) -> torch.Tensor:
-    """The TC read in one pass: `temporal_conv(cat([past or zeros, x], 1), weight, same_document).sum(-1)`.
+    """The TC read, the entry point: `temporal_conv(cat([past or zeros, x], 1), weight, same_document).sum(-1)` in one
+    pass over the state.
 
     x `[B, T, D, d_v]`, weight `[D, d_v, K]` (the kernels already scaled by the read vector), past `[B, K - 1, D,
-    d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The readable
-    definition is the expression above (tests compare them, values and gradients, in float64). `kernel`: the
-    optional native training kernels (`ddl_hf.native.enable_native_training`), used where `_native_applies`."""
-    if kernel is not None and not _native_applies(x):
-        kernel = None
-    return _TemporalConvRead.apply(x, weight, past, same_document, kernel)
-
-
-def temporal_conv_read_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One token's TC read from its whole window `[B, K, D, d_v]` (the K - 1 cached inputs, then the token), as
-    `[B, D]`: `temporal_conv_read(window[:, -1:], weight, window[:, :-1])[:, 0]` in one product and two sums, the
-    decoding step's path (no per-tap loop, no autograd Function: several times faster at batch 1)."""
-    return (window * weight.permute(2, 0, 1).to(window.dtype)).sum(-1).sum(1)
+    d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The expression
+    above is the readable definition (tests compare them, values and gradients, in float64). A registered "tc_read"
+    kernel runs where it applies."""
+    kernel = _kernel_for("tc_read", x)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _TemporalConvRead.apply(x, weight, past, same_document, kernel)
+    w = weight.to(x.dtype)
+    if kernel is not None:
+        return kernel.forward(x, w, past, same_document)
+    return _tc_read_forward(x, w, past, same_document)
 
 
 def same_document_taps(document_starts: torch.Tensor, size: int) -> torch.Tensor:
@@ -493,8 +463,7 @@ def channel_conv(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
-    """The `[D, d_v]` weight w with `channel_conv(x, weight) @ read == (x * w).sum(-1)`: CC then the read vector in
-    one pass over the state (the model's fast path; `channel_conv` is its readable reference).
+    """The `[D, d_v]` weight w with `channel_conv(x, weight) @ read == (x * w).sum(-1)`.
 
     `w[d, c] = sum_j weight[d, j] * read[c + p - j]` (zero outside [0, d_v)): each input channel collects the read
     weights of the outputs its taps reach.
@@ -505,6 +474,13 @@ def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.
     # shifted[j, c] = read[c + left - j] = padded[c + size - 1 - j]
     shifted = torch.stack([padded[size - 1 - j : size - 1 - j + channels] for j in range(size)])
     return weight @ shifted.to(weight.dtype)
+
+
+def channel_conv_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """The CC read, the entry point: `channel_conv(state, weight) @ read` (its readable definition) in one pass over
+    the state, with the convolution folded into the read vector (`channel_conv_read_weight`). `[..., D, d_v]` ->
+    `[..., D]`."""
+    return (state * channel_conv_read_weight(weight, read).to(state.dtype)).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -739,16 +715,22 @@ def delta_rule_chunkwise(
 
 
 __all__ = [
+    "KERNEL_OPS",
+    "DeltaKernel",
     "channel_conv",
+    "channel_conv_read",
     "channel_conv_read_weight",
-    "constant",
     "delta_gate",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",
     "fused_delta_update",
+    "register_kernel",
+    "registered_kernel",
+    "same_document_taps",
     "straight_through_clamp",
     "temporal_conv",
+    "temporal_conv_read",
     "unit_direction",
     "unit_lower_triangular_inverse",
     "unit_lower_triangular_solve",
