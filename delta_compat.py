@@ -11,8 +11,8 @@ and torch the *user* has installed, so pinning the package cannot protect them. 
 - transformers' internal model-code utilities and override points, imported or checked here, so that a release that
   moves one fails at import with a message instead of changing behaviour; helpers that older releases lack
   (`slice_logits_to_keep`, before 5.21) have their older releases' equivalent here;
-- torch internals that no public API replaces (the module-hook registries, `scan`), each probed here: where one has
-  moved, the feature that needs it is switched off (with a warning) or refuses, never silently wrong.
+- torch internals that no public API replaces (`scan`, for exporting DeltaNet with a dynamic length): where one has
+  moved, the feature that needs it refuses with a clear error, never silently wrong.
 
 Hub custom-code file: it imports only torch and transformers.
 """
@@ -23,12 +23,10 @@ import dataclasses
 import functools
 import inspect
 import re
-import warnings
 from collections.abc import Callable
 
 import torch
 import transformers
-from torch import nn
 
 #: The oldest releases the whole test suite passes on (README, "Supported versions"); below them, one clear error.
 MINIMUM_TRANSFORMERS = "5.16.0"
@@ -85,12 +83,28 @@ except ImportError:
     slice_logits_to_keep = slice_logits_to_keep_before_5_21
 
 
+def hidden_states_indices(model: PreTrainedModel, output_hidden_states: object, count: int) -> list[int]:
+    """Which of the `count` hidden states `output_hidden_states` asks for: all of them for a flag; the chosen ones
+    where transformers takes indices (`output_hidden_states=[0, -1]`, newer releases' `selected_hidden_states`)."""
+    try:
+        from transformers.utils.output_capturing import resolve_hidden_states_indices, selected_hidden_states
+    except ImportError:  # this release takes a flag only
+        return list(range(count))
+    selected = selected_hidden_states(output_hidden_states)
+    return list(range(count)) if selected is None else sorted(resolve_hidden_states_indices(model, selected))
+
+
 def _require_override_points() -> None:
     """transformers methods that DeltaGPT overrides to change what they do. A release that renamed one would skip the
     override in silence (a converted model would then start from the reference init, not the source model's
     function), so a missing one stops the import instead."""
     points = {
-        PreTrainedModel: ("_init_weights", "initialize_weights", "_initialize_missing_keys"),
+        PreTrainedModel: (
+            "_init_weights",
+            "initialize_weights",
+            "_initialize_missing_keys",
+            "_adjust_missing_and_unexpected_keys",
+        ),
         GenerationMixin: ("_prepare_cache_for_generation", "_validate_generation_mode"),
     }
     missing = [f"{cls.__name__}.{name}" for cls, names in points.items() for name in names if not hasattr(cls, name)]
@@ -141,9 +155,9 @@ def cache_of(outputs: object) -> Cache | None:
     return getattr(outputs, CACHE_ARG, None)
 
 
-def takes_cache(forward: Callable) -> Callable:
-    """Let a forward whose cache parameter is named `cache` be called with `past_key_values=` as well: `generate` and
-    users' code up to transformers 5.23 pass that name, from 5.24 `cache`. Both at once must be the same object."""
+def _takes_installed_cache_name(forward: Callable) -> Callable:
+    """Before transformers 5.24: the installed name is `past_key_values`, which `generate` and users pass, and which
+    our forwards' `cache` parameter takes as it is (no warning: it is not deprecated there)."""
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
@@ -162,6 +176,16 @@ def takes_cache(forward: Callable) -> Callable:
     return wrapper
 
 
+if CACHE_ARG == "cache":
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    #: Let a forward whose cache parameter is named `cache` take `past_key_values=` too. From transformers 5.24 on, the
+    #: old name warns exactly as transformers' own models warn (their decorator, their deprecation release).
+    takes_cache = deprecate_kwarg(LEGACY_CACHE_ARG, "5.40.0", new_name="cache")
+else:
+    takes_cache = _takes_installed_cache_name
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Loading: which weights a checkpoint supplied, and checkpoints of an earlier release.
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,128 +197,36 @@ def was_loaded(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, "_is_hf_initialized", False))
 
 
-try:  # transformers' checkpoint conversions (what its own models use for checkpoints in older layouts)
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-    from transformers.core_model_loading import ConversionOps, WeightConverter
-except ImportError:  # moved: old-layout checkpoints then fail with transformers' own size-mismatch error, and so
-    register_checkpoint_conversion_mapping = None  # does tests/test_fsdp.py's legacy-checkpoint test, in CI
-    ConversionOps = object
+#: Parameters that ddl-hf 0.1 saved 0-dim and later releases save as `[1]` (FSDP2 shards along dim 0).
+PARAMETERS_0_DIM_IN_0_1 = ("beta_open",)
 
 
-class _ToParameterShape(ConversionOps):
-    """A checkpoint tensor with its parameter's number of elements in another shape (the 0-dim `beta_open` of ddl-hf
-    0.1, today `[1]`), reshaped to the parameter's. Anything else passes unchanged, for transformers to report.
-    Saving runs the same op, which leaves a tensor of the parameter's own shape as it is."""
-
-    def convert(self, input_dict: dict, source_patterns: list[str], target_patterns: list[str], **kwargs) -> dict:
-        (tensor,) = input_dict.values()
-        tensor = tensor[0] if isinstance(tensor, list) else tensor
-        try:
-            shape = kwargs["model"].get_parameter(kwargs["full_layer_name"]).shape
-        except (AttributeError, KeyError, TypeError):
-            shape = tensor.shape
-        if tensor.shape != shape and tensor.numel() == shape.numel():
-            tensor = tensor.reshape(shape)
-        return {target_patterns[0]: tensor}
-
-    @property
-    def reverse_op(self) -> _ToParameterShape:
-        return self
+def is_0_1_tensor(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint tensor is one that ddl-hf 0.1 saved 0-dim where today's parameter is `[1]`."""
+    return len(shape) == 0 and name.rsplit(".", 1)[-1] in PARAMETERS_0_DIM_IN_0_1
 
 
-def load_legacy_shapes(model_type: str, *parameter_names: str) -> None:
-    """Let `from_pretrained` load checkpoints in which these parameters had another shape with the same elements,
-    through transformers' checkpoint-conversion registry (custom-code models are only converted when registered)."""
-    if register_checkpoint_conversion_mapping is not None:
-        converters = [WeightConverter(name, name, [_ToParameterShape()]) for name in parameter_names]
-        register_checkpoint_conversion_mapping(model_type, converters, overwrite=True)
+def check_checkpoint_format(model: PreTrainedModel, loading_info) -> None:
+    """Refuse a checkpoint of ddl-hf 0.1 with one line that names `ddl-hf upgrade`, instead of transformers'
+    size-mismatch report (or, with `ignore_mismatched_sizes=True`, gates silently re-initialised).
+
+    Called from the model's `_adjust_missing_and_unexpected_keys`, the one override point that `from_pretrained`
+    hands its `loading_info` (transformers 5.16 to 5.24). The 0.1 entries leave `mismatched_keys` first: the load
+    report that transformers runs next would otherwise raise its own error in place of this one."""
+    legacy = {entry for entry in loading_info.mismatched_keys if is_0_1_tensor(entry[0], entry[1])}
+    if legacy:
+        loading_info.mismatched_keys.difference_update(legacy)
+        source = model.name_or_path
+        raise ValueError(
+            f"{source or 'This checkpoint'} was saved by ddl-hf 0.1, whose beta_open parameters are 0-dim (now [1]); "
+            f"upgrade it once with `ddl-hf upgrade {source or 'CHECKPOINT_DIR'} --output UPGRADED_DIR` "
+            "(pip install ddl-hf) and load UPGRADED_DIR."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# torch internals with no public replacement, probed once at import.
+# torch internals with no public replacement.
 # ----------------------------------------------------------------------------------------------------------------
-
-_MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _MODULE_HOOK_DICTS)
-
-
-def _probe_hook_registries() -> tuple[dict, ...] | None:
-    """torch's four registries of global module hooks, or None if they no longer behave as `is_unhooked` reads them.
-
-    No public API says whether a module call would run a hook, so `is_unhooked` reads the registries themselves; this
-    probe registers hooks through the public functions (global forward and forward-pre; each kind on a module) and
-    checks that they appear where it reads. Only checked to exist: the global backward registries (registering a global
-    full backward hook would change torch's global state) and `nn.Module._compiled_call_impl`, which `module.compile()`
-    sets (compiling a probe would import inductor, a second per import)."""
-    try:
-        return _read_hook_registries()
-    except Exception:  # a registration function that moved or changed its signature: the registries cannot be read
-        return None
-
-
-def _read_hook_registries() -> tuple[dict, ...] | None:
-    from torch.nn.modules import module as torch_module
-
-    registries = tuple(getattr(torch_module, name, None) for name in _GLOBAL_HOOK_DICTS)
-    if not all(isinstance(registry, dict) for registry in registries):
-        return None
-
-    def no_op(*args):
-        return None
-
-    probe = nn.Identity()
-    handles = []
-    try:  # registered one by one, so that a registration that fails leaves no probe hook behind
-        handles.append((registries[0], torch_module.register_module_forward_hook(no_op)))
-        handles.append((registries[1], torch_module.register_module_forward_pre_hook(no_op)))
-        seen = all(handle.id in registry for registry, handle in handles)
-    finally:
-        for _, handle in handles:
-            handle.remove()
-    seen = seen and not any(handle.id in registry for registry, handle in handles)
-    local = (
-        probe.register_forward_hook(no_op),
-        probe.register_forward_pre_hook(no_op),
-        probe.register_full_backward_hook(no_op),
-        probe.register_full_backward_pre_hook(no_op),
-    )
-    attributes = probe.__dict__
-    seen = seen and all(handle.id in attributes.get(name, ()) for name, handle in zip(_MODULE_HOOK_DICTS, local))
-    compiled_call = "_compiled_call_impl" in vars(nn.Module) and nn.Module._compiled_call_impl is None
-    return registries if seen and compiled_call else None
-
-
-_GLOBAL_HOOKS = _probe_hook_registries()
-#: Whether `is_unhooked` can answer on this torch. False: the fast paths that skip nn.Module's call machinery (and the
-#: one-token host path and native kernel, which read projection weights directly) are off; results are unchanged.
-HOOKS_READABLE = _GLOBAL_HOOKS is not None
-if not HOOKS_READABLE:
-    warnings.warn(
-        f"torch {torch.__version__} keeps module hooks where DeltaGPT cannot see them, so DeltaGPT's one-token "
-        "decoding fast path is off (outputs are unchanged; decoding is slower). Please report this torch version.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-
-def is_unhooked(module: nn.Module) -> bool:
-    """Whether `module(...)` is exactly its class's `forward`: no hook of the module or a global one (DeepSpeed,
-    pruning, offload), no patched `forward` (accelerate offload) and no `module.compile()`. False while compiling
-    (dynamo traces module calls itself, and these lookups would only add guards) and where `HOOKS_READABLE` is False.
-    """
-    if _GLOBAL_HOOKS is None or torch.compiler.is_compiling():
-        return False
-    attributes = module.__dict__  # dict lookups: a miss on the module itself costs an AttributeError
-    return not (
-        attributes["_forward_hooks"]
-        or attributes["_forward_pre_hooks"]
-        or attributes["_backward_hooks"]
-        or attributes["_backward_pre_hooks"]
-        or any(_GLOBAL_HOOKS)
-        or "forward" in attributes
-        or attributes.get("_compiled_call_impl") is not None
-    )
-
 
 #: torch.export traces DeltaNet's chunk loop over a symbolic sequence length (`scan`) from this torch on (measured:
 #: 2.7, 2.8, 2.10 and 2.12 fail inside torch.export, on guards over the number of chunks or on `scan` itself).
@@ -323,16 +255,16 @@ __all__ = [
     "CACHE_ARG",
     "DELTA_NET_DYNAMIC_EXPORT",
     "DELTA_NET_DYNAMIC_EXPORT_TORCH",
-    "HOOKS_READABLE",
     "MINIMUM_TORCH",
     "MINIMUM_TRANSFORMERS",
     "OutputRecorder",
     "cache_argument",
     "cache_of",
     "capture_outputs",
+    "check_checkpoint_format",
     "check_installed_versions",
-    "is_unhooked",
-    "load_legacy_shapes",
+    "hidden_states_indices",
+    "is_0_1_tensor",
     "merge_with_config_defaults",
     "release",
     "scan",

@@ -1,22 +1,22 @@
 """PyTorch DeltaLlama: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose every residual is a Delta residual.
 
 Each layer is the family's own `input_layernorm -> self_attn -> residual, post_attention_layernorm -> mlp ->
-residual`; both residual connections become DeltaGPT's `DeltaResidual` (the same module, both modes, any d_v, the
-variants). The attention, MLP, RMSNorm and rotary embedding are the family's own transformers classes, chosen by
-`config.source_model_type`, so attention backends, GQA, RoPE scaling, QK-norm (Qwen3) and sliding windows carry
-over, and the parameter names are the family's: a converted checkpoint loads under its own names.
+residual`; both residual connections become `DeltaResidual`s (`delta_layers.py`: the same module as DeltaGPT's,
+both modes, any d_v, the variants). The attention, MLP, RMSNorm and rotary embedding are the family's own
+transformers classes, chosen by `config.source_model_type`, so attention backends, GQA, RoPE scaling, QK-norm
+(Qwen3) and sliding windows carry over, and the parameter names are the family's: a converted checkpoint loads under
+its own names.
 
 Reads top to bottom like `modeling_llama.py`: the family table, the decoder layer, the pretrained base, the model
-and the causal LM head. The Delta residual itself, its state convolutions and caches live in `modeling_delta_gpt.py`.
+and the causal LM head. The Delta residual itself, its state convolutions and caches live in `delta_layers.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
-(`configuration_delta_llama.py`, `modeling_delta_gpt.py` and theirs, `delta_compat.py` among them), which
-`save_pretrained` copies next to the weights.
+(`configuration_delta_llama.py`, `delta_layers.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained`
+copies next to the weights.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -29,7 +29,6 @@ from .delta_compat import (
     cache_argument,
     cache_of,
     capture_outputs,
-    load_legacy_shapes,
     merge_with_config_defaults,
     slice_logits_to_keep,
     takes_cache,
@@ -42,6 +41,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import (
     MistralAttention,
@@ -54,21 +54,19 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Q
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
-from .modeling_delta_gpt import (
+from .delta_layers import (
     DeltaConvContext,
     DeltaEmbedExpand,
-    DeltaGPTPreTrainedModel,
+    DeltaPreTrainedMixin,
     DeltaResidual,
-    DeltaSite,
     DeltaStateCache,
     DeltaStateConv,
     DeltaStateMixin,
-    _hidden_states_contract,
-    _signature_computed_once,
-    _with_delta_outputs,
     check_token_ids,
+    hidden_states_contract,
     packed_document_starts,
     spectral_std,
+    with_delta_outputs,
 )
 
 
@@ -111,27 +109,6 @@ def attention_layer_types(config: DeltaLlamaConfig) -> list[str]:
     return ["full_attention"] * layers
 
 
-@torch.no_grad()
-def rms_beta_upper_bound(residual: DeltaResidual, norm: nn.Module) -> float:
-    """The largest beta `residual` can produce over every input when its gate reads `c = RMSNorm(x) = gamma * n`.
-
-    RMSNorm gives |n|^2 = D ms / (ms + eps) < D (n is not zero-mean, unlike LayerNorm's, so `DeltaResidual.
-    beta_upper_bound` does not apply): a linear gate `w.c + b` is at most `b + sqrt(D) |w * gamma|` (the least upper
-    bound), an mlp gate at most `|w|_1 + b`. 0.0 means beta is exactly 0 for every input (the gate is closed).
-    """
-    rho = residual.opening()
-    if rho == 0.0:
-        return 0.0
-    out = residual.gate_output
-    w, b = out.weight.float()[0], float(out.bias.float()[0])
-    if isinstance(residual.beta_proj, nn.Linear):
-        g_max = b + math.sqrt(w.numel()) * float((w * norm.weight.float()).norm())
-    else:
-        g_max = float(w.abs().sum()) + b
-    sigmoid = 1.0 / (1.0 + math.exp(-g_max)) if g_max >= 0 else math.exp(g_max) / (1.0 + math.exp(g_max))
-    return 2.0 * rho * sigmoid
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,6 +122,7 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         family = family_modules(config)
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
+        self.shared_read = config.delta_shared_read
 
         self.self_attn = family.attention(config=config, layer_idx=layer_idx)
         self.attn_delta = DeltaResidual(config)
@@ -171,73 +149,67 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         delta_context: DeltaConvContext | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
-        key = f"layers.{self.layer_idx}"
-        read = self.attn_delta.read(hidden_states, delta_context, f"{key}.attn")
-        normed = self.input_layernorm(read)
-        attn_output, _ = self.self_attn(
-            hidden_states=normed,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **cache_argument(cache),
-            **kwargs,
-        )
-        hidden_states, attn_beta = self.attn_delta(hidden_states, normed, attn_output, read=read)
+        """`X = attn_delta(X, self_attn . input_layernorm); X = mlp_delta(X, mlp . post_attention_layernorm)`. Returns
+        the new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
 
-        reader = self.mlp_delta if self.mlp_delta.owns_read else self.attn_delta  # delta_shared_read
-        read = reader.read(hidden_states, delta_context, f"{key}.mlp")
-        normed = self.post_attention_layernorm(read)
-        hidden_states, mlp_beta = self.mlp_delta(hidden_states, normed, self.mlp(normed), read=read)
+        def attention(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = self.input_layernorm(x)
+            out, _ = self.self_attn(
+                hidden_states=c,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **cache_argument(cache),
+                **kwargs,
+            )
+            return c, out
+
+        def mlp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = self.post_attention_layernorm(x)
+            return c, self.mlp(c)
+
+        attn_key, mlp_key = f"layers.{self.layer_idx}.attn", f"layers.{self.layer_idx}.mlp"  # the windows' keys
+        shared = mlp_key if self.shared_read else None  # delta_shared_read: attn_delta also reads for mlp_delta
+        hidden_states, attn_beta, *read = self.attn_delta(
+            hidden_states, attention, delta_context, attn_key, read_next=shared
+        )
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, mlp, delta_context, mlp_key, *read)
         return hidden_states, attn_beta, mlp_beta
 
 
-DeltaLlamaModelOutput = _with_delta_outputs("DeltaLlamaModelOutput", BaseModelOutputWithPast)
-DeltaLlamaCausalLMOutput = _with_delta_outputs("DeltaLlamaCausalLMOutput", CausalLMOutputWithPast)
+DeltaLlamaModelOutput = with_delta_outputs("DeltaLlamaModelOutput", BaseModelOutputWithPast)
+DeltaLlamaCausalLMOutput = with_delta_outputs("DeltaLlamaCausalLMOutput", CausalLMOutputWithPast)
 
 
-class DeltaLlamaPreTrainedModel(DeltaGPTPreTrainedModel):
-    """DeltaGPT's pretrained base (Delta init, `delta_residuals()`, `delta_parameters()`, exact init of the Delta
-    parameters a source checkpoint lacks) with the Llama family's layout and flags."""
+class DeltaLlamaPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
+    """The family's pretrained base (transformers' default init) plus the Delta init, `delta_residuals()`,
+    `delta_parameters()` and the exact init of the Delta parameters a source checkpoint lacks."""
 
     config: DeltaLlamaConfig
     config_class = DeltaLlamaConfig
     base_model_prefix = "model"
+    layers_attribute = "layers"
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaLlamaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache, under either name
+    _supports_flash_attn = True
+    _supports_sdpa = True
     _supports_flex_attn = True
-    _keys_to_ignore_on_load_unexpected = None
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
     _can_record_outputs = {
         "hidden_states": DeltaLlamaDecoderLayer,
         # The family's attention class differs per config: matched by its module name instead.
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
-        # From the layer (hooked for hidden states anyway), not a hook on every Delta residual: see DeltaGPT's.
         "betas": [OutputRecorder(DeltaLlamaDecoderLayer, index=1), OutputRecorder(DeltaLlamaDecoderLayer, index=2)],
     }
 
     @torch.no_grad()
-    def beta_upper_bounds(self) -> dict[str, float]:
-        """The largest beta each Delta residual can produce over every input (see `rms_beta_upper_bound`)."""
-        return {site.name: rms_beta_upper_bound(site.residual, site.norm) for site in self._delta_sites()}
-
-    def _delta_sites(self) -> list[DeltaSite]:
-        prefix = self._base_prefix()
-        return [
-            DeltaSite(f"{prefix}layers.{i}.{attr}", f"L{i}.{attr.removesuffix('_delta')}", residual, norm)
-            for i, layer in enumerate(self.base_model.layers)
-            for attr, (residual, norm) in layer.delta_residuals().items()
-        ]
-
-    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The family's initialisation (transformers' default) plus DeltaGPT's Delta init; and the final read."""
+        """The family's initialisation (transformers' default) plus the Delta parameters (`init_delta_weights`)."""
         super()._init_weights(module)
-        if isinstance(module, DeltaLlamaModel) and module.value_channels > 1:
-            init.constant_(module.read_out, 1.0 / module.value_channels)
-
-
-# Checkpoints of ddl-hf 0.1 hold `beta_open` 0-dim (today `[1]`): `from_pretrained` reshapes them on load.
-load_legacy_shapes(DeltaLlamaConfig.model_type, "beta_open")
+        self.init_delta_weights(module)
 
 
 class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
@@ -252,10 +224,9 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([DeltaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        if self.value_channels > 1:
-            # Reads the expanded state [.., D, d_v] out to [.., D] before the final norm.
-            self.read_out = nn.Parameter(torch.empty(self.value_channels))
-        # TC / CC read the final state like every sublayer's input; EC expands the embedding (docs/variants.md).
+        # Reads the expanded state [.., D, d_v] out to [.., D] before the final norm; TC / CC read it like every
+        # sublayer's input; EC expands the embedding (docs/variants.md).
+        self.read_out = nn.Parameter(torch.empty(self.value_channels)) if self.value_channels > 1 else None
         size = config.delta_conv_size
         self.read_out_conv = (
             DeltaStateConv(config.delta_state_read, config.hidden_size, self.value_channels, size)
@@ -280,7 +251,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
 
     @takes_cache
     @merge_with_config_defaults
-    @_hidden_states_contract
+    @hidden_states_contract
     @capture_outputs
     def forward(
         self,
@@ -302,11 +273,10 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         """
         for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
             kwargs.pop(flag, None)
-        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `_hidden_states_contract`
+        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `hidden_states_contract`
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if not torch.compiler.is_compiling():
-            check_token_ids(input_ids, self.config.vocab_size)
+        check_token_ids(input_ids, self.config.vocab_size)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -370,7 +340,7 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         return DeltaLlamaModelOutput(
             last_hidden_state=hidden_states,
             **cache_argument(cache if use_cache else None),
-            # d_v > 1: the final expanded state and the reads, for `_hidden_states_contract`, which replaces them.
+            # d_v > 1: the final expanded state and the reads, for `hidden_states_contract`, which replaces them.
             expanded_states=(final_state, *reads) if hand_over_final_state else None,
         )
 
@@ -397,7 +367,6 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
             )
         model_kwargs[CACHE_ARG] = DeltaStateCache(self.config)
 
-    @_signature_computed_once
     @takes_cache
     @can_return_tuple
     def forward(
@@ -450,7 +419,7 @@ REFERENCE_OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight
 @torch.no_grad()
 def init_reference_backbone(model: nn.Module, embedding_std: float = 0.02) -> nn.Module:
     """Initialise a Llama-style backbone (a DeltaLlama, or the family's own model) as the authors' code does at
-    `modeling_delta_gpt.REFERENCE_COMMIT` (`init_utils.init_gpt_weights`); returns the model.
+    `delta_layers.REFERENCE_COMMIT` (`init_utils.init_gpt_weights`); returns the model.
 
     The (tied) embedding N(0, `embedding_std`); every other backbone matrix N(0, spectral_std(fan_in, fan_out)) with
     their factor 0.5, divided by the number of layers for the projections that write to the residual (attention and
@@ -480,5 +449,4 @@ __all__ = [
     "DeltaLlamaModel",
     "DeltaLlamaPreTrainedModel",
     "init_reference_backbone",
-    "rms_beta_upper_bound",
 ]

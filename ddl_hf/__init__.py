@@ -29,6 +29,8 @@ from .conversion import (
     export_to_llama,
     push_converted_to_hub,
 )
+from .delta_layers import DeltaResidual, DeltaStateCache
+from .delta_net import DeltaNetAttention, DeltaNetCache
 from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
@@ -36,10 +38,6 @@ from .modeling_delta_gpt import (
     DeltaGPTForTokenClassification,
     DeltaGPTModel,
     DeltaGPTPreTrainedModel,
-    DeltaNetAttention,
-    DeltaNetCache,
-    DeltaResidual,
-    DeltaStateCache,
 )
 from .modeling_delta_llama import (
     DeltaLlamaForCausalLM,
