@@ -30,6 +30,13 @@ CONVERT_DESCRIPTION = (
     "and print a verification report. The family is read from the source's config."
 )
 
+UPGRADE_DESCRIPTION = (
+    "Rewrite a checkpoint directory saved by ddl-hf 0.1 (a model, a peft adapter, a Trainer checkpoint, or a "
+    "directory holding several) for this release, which refuses to load it as it is: its 0-dim beta_open weights "
+    "and their optimizer state become [1], a model's custom-code files this release's; every other file is copied "
+    "unchanged. OUT is written atomically: after a failure it is as it was."
+)
+
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `convert`, shared by `ddl-hf convert` and `convert-gpt2-to-delta-gpt`."""
@@ -89,6 +96,14 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=_run_inspect)
 
 
+def add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `upgrade`."""
+    parser.add_argument("source", help="directory (or Hub id) of the ddl-hf 0.1 checkpoint; it is left unchanged")
+    parser.add_argument("--output", required=True, metavar="OUT", help="directory to write the upgraded checkpoint to")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT (OUT = SOURCE: in place)")
+    parser.set_defaults(func=_run_upgrade)
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     from ddl_hf.conversion.cli import run_cli
 
@@ -99,6 +114,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from ddl_hf.inspection import run_inspect
 
     return run_inspect(args)
+
+
+def _run_upgrade(args: argparse.Namespace) -> int:
+    from ddl_hf.conversion.cli import run_upgrade_cli
+
+    return run_upgrade_cli(args)
 
 
 def add_convert_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -123,12 +144,24 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
     return parser
 
 
+def add_upgrade_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `upgrade` to a `ddl-hf` style command line."""
+    parser = subparsers.add_parser(
+        "upgrade",
+        help="rewrite a checkpoint saved by ddl-hf 0.1 so that this release loads it",
+        description=UPGRADE_DESCRIPTION,
+    )
+    add_upgrade_arguments(parser)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `ddl-hf` parser (light: no torch, no transformers)."""
     parser = argparse.ArgumentParser(prog="ddl-hf", description="Deep Delta Learning (DeltaGPT, DeltaLlama) tools.")
     subcommands = parser.add_subparsers(dest="command", required=True)
     add_convert_subcommand(subcommands)
     add_inspect_subcommand(subcommands)
+    add_upgrade_subcommand(subcommands)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`ddl-hf` command line: `ddl-hf convert ...`, `ddl-hf inspect ...`.
+"""`ddl-hf` command line: `ddl-hf convert ...`, `ddl-hf inspect ...`, `ddl-hf upgrade ...`.
 
 The parsers live in the top-level module `ddl_hf_cli` (no torch import, so `--help` is instant); this module
 keeps `python -m ddl_hf.cli` and `ddl_hf.cli.main` working.

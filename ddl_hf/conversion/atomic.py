@@ -33,7 +33,7 @@ def atomic_directory(output: str | os.PathLike, *, force: bool = False) -> Itera
     is open on the main thread), nothing is left behind and `output` is as it was. Only SIGKILL can leave a
     temporary directory, hidden as `.OUT.tmp-*` beside OUT, never a partial OUT.
     """
-    output = Path(output).absolute()
+    output = Path(os.path.abspath(output))  # no `..`: the final renames move directories that it would name
     _check_output(output, force)
     created_parents = [p for p in reversed(output.parents) if not p.exists()]
     tmp: Path | None = None

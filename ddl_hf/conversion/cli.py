@@ -1,4 +1,5 @@
-"""`ddl-hf convert` (also the console command `convert-gpt2-to-delta-gpt`): arguments in, report or one error out.
+"""`ddl-hf convert` (also the console command `convert-gpt2-to-delta-gpt`) and `ddl-hf upgrade`: arguments in, report
+or one error out.
 
 GPT-2 sources become DeltaGPT, Llama / Mistral / Qwen2 / Qwen3 sources DeltaLlama: `convert_checkpoint` picks the
 family from the source's config. The only place in the conversion package that prints; the flags are defined in
@@ -20,6 +21,7 @@ from .converting import looks_like_path
 from .errors import ConversionError
 from .families import ResolvedSource, resolve_source, source_model_type
 from .hub import convert_checkpoint, push_converted_to_hub
+from .upgrade import upgrade_checkpoint
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -100,6 +102,23 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_upgrade_cli(args: argparse.Namespace) -> int:
+    """Run `upgrade` from parsed arguments; print what was written, or one clear error line. Returns the exit code."""
+    try:
+        report = upgrade_checkpoint(args.source, args.output, force=args.force)
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; nothing was written to {args.output}.", file=sys.stderr)
+        return 130
+    except OSError as error:
+        print(f"error: cannot write {args.output}: {error}. Nothing was written.", file=sys.stderr)
+        return 1
+    print(report)
+    return 0
+
+
 def recorded_command(args: argparse.Namespace, source: ResolvedSource | None = None) -> str:
     """The command the model card shows: `convert-gpt2-to-delta-gpt` for a GPT-2 source, `ddl-hf convert` for a
     Llama-family one, with the flags that differ from their defaults and no machine paths.
@@ -130,4 +149,4 @@ def recorded_command(args: argparse.Namespace, source: ResolvedSource | None = N
     )
 
 
-__all__ = ["add_cli", "recorded_command", "run_cli"]
+__all__ = ["add_cli", "recorded_command", "run_cli", "run_upgrade_cli"]
