@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 # First: importing delta_compat checks the installed transformers / torch, so that this file, the first Hub file
 # transformers loads, stops below the supported range with one clear error.
@@ -25,16 +25,108 @@ DELTA_NET_RULES = ("delta", "write_only")
 DELTA_STATE_READS = ("linear", "temporal_conv", "channel_conv")
 DELTA_EMBED_EXPANDS = ("repeat", "conv")
 DELTA_VALUES = ("linear", "constant", "sigmoid")
-# How new Delta parameters start: "exact" (beta = delta_beta_init, default 0, and identity convolutions, so a
-# converted GPT-2 is reproduced exactly) or "reference" (the authors' from-scratch choices: beta = 1, averaging
-# convolutions). None (auto) = "exact" for parameters a loaded checkpoint lacks, "reference" for a model built
-# from its config.
+# How new Delta parameters start: "exact" (beta = delta_beta_init for every token, default 0, and identity
+# convolutions, so a converted GPT-2 is reproduced exactly) or "reference" (the authors' from-scratch choices: a
+# random gate around delta_beta_init, default 1, and averaging convolutions). None (auto) = "exact" for parameters a
+# loaded checkpoint lacks, "reference" for a model built from its config. `DeltaGPTConfig`'s docstring has each case.
 DELTA_INITS = ("exact", "reference")
 # The authors' model files that `reference(variant=...)` reproduces (docs/variants.md).
 REFERENCE_VARIANTS = ("dv1", "tc", "tc_ec", "cc", "cc_ec")
 REFERENCE_READS = {"tc": "temporal_conv", "cc": "channel_conv"}
 # Old spellings still accepted, with a FutureWarning: {old: new}.
 DELTA_NET_RULE_ALIASES = {"additive": "write_only"}
+
+
+class FieldRule(NamedTuple):
+    """One row of a config's field table: the values `field` may take. `kind` says what `allowed` holds:
+    "choice": the allowed values; "int": the smallest allowed integer; "number": (low, high), a finite number in
+    that closed interval; "positive": nothing, a finite number > 0; "bool": nothing, True or False. `optional`: None
+    is allowed too. `expected`: the error's "expected ..." text; empty = the kind's own wording."""
+
+    field: str
+    kind: str
+    allowed: Any = None
+    expected: str = ""
+    optional: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if self.kind == "choice":
+            return value in self.allowed
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        # numbers: bool is an int subclass, never a count or a size here
+        if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
+            return False
+        if self.kind == "int":
+            return value >= self.allowed
+        if not math.isfinite(value):
+            return False
+        if self.kind == "positive":
+            return value > 0
+        low, high = self.allowed
+        return low <= value <= high
+
+    def message(self) -> str:
+        if self.expected:
+            return self.expected
+        if self.kind == "choice":
+            return f"expected one of {self.allowed}"
+        if self.kind == "int":
+            return f"expected an integer >= {self.allowed}"
+        if self.kind == "positive":
+            return "expected a finite number > 0"
+        if self.kind == "number":
+            low, high = self.allowed
+            return "expected a finite number" if low == -high == -math.inf else f"expected a number in [{low}, {high}]"
+        return "expected True or False"
+
+
+# The Delta residual's fields (DeltaResidualConfigMixin), checked in this order; the checks between fields (a
+# variant that needs d_v > 1, the channel convolution's size) follow in `validate_delta_residual`.
+DELTA_FIELD_RULES = (
+    FieldRule("delta_mode", "choice", DELTA_MODES),
+    FieldRule("delta_value_channels", "int", 1),
+    FieldRule(
+        "delta_beta_init",
+        "number",
+        (0.0, 2.0),
+        "expected a number in [0, 2] (0 = identity/source model, 1 = projection, 2 = reflection), or None for the "
+        "delta_init scheme's value",
+        optional=True,
+    ),
+    FieldRule("delta_init", "choice", DELTA_INITS, f"expected None (auto) or one of {DELTA_INITS}", optional=True),
+    FieldRule("delta_gate", "choice", DELTA_GATES),
+    FieldRule("delta_gate_hidden_size", "int", 1),
+    FieldRule("delta_eps", "positive"),
+    FieldRule("delta_state_read", "choice", DELTA_STATE_READS),
+    FieldRule("delta_embed_expand", "choice", DELTA_EMBED_EXPANDS),
+    FieldRule("delta_conv_size", "int", 1),
+    FieldRule("delta_value", "choice", DELTA_VALUES),
+    FieldRule("delta_value_constant", "number", (-math.inf, math.inf)),
+    FieldRule("delta_value_scale", "positive"),
+    FieldRule(
+        "delta_shared_read",
+        "bool",
+        expected="expected True (one read per block, the reference's) or False (one per residual)",
+    ),
+    FieldRule(
+        "delta_erase", "bool", expected="expected True (erase and write) or False (write-only: X' = X + beta k v^T)"
+    ),
+)
+# DeltaGPTConfig's token mixer fields; `validate_token_mixer` adds the head size check.
+TOKEN_MIXER_FIELD_RULES = (
+    FieldRule("token_mixer", "choice", TOKEN_MIXERS),
+    FieldRule("delta_net_heads", "int", 1, "expected None (= n_head) or an integer >= 1", optional=True),
+    FieldRule("delta_net_head_dim", "int", 1, "expected None (= n_embd // heads) or an integer >= 1", optional=True),
+    FieldRule("delta_net_conv_size", "int", 0, "expected an integer >= 0 (0 = no short convolution)"),
+    FieldRule(
+        "delta_net_allow_negative_eigval", "bool", expected="expected True (beta in (0, 2)) or False (beta in (0, 1))"
+    ),
+    FieldRule("delta_net_rule", "choice", DELTA_NET_RULES),
+    FieldRule("delta_net_chunk_size", "int", 1),
+)
 
 # Every Auto class a saved DeltaGPT directory can be loaded with, through Hub custom code.
 AUTO_MAP = {
@@ -114,67 +206,24 @@ class DeltaResidualConfigMixin:
     def _delta_fail(self, field: str, allowed: str) -> None:
         raise ValueError(f"{type(self).__name__}.{field}={getattr(self, field)!r} is invalid: {allowed}.")
 
-    def validate_delta_residual(self) -> None:
-        """The residual's fields: a ValueError naming the field, the value and what is allowed."""
-        fail = self._delta_fail
-        if self.delta_mode not in DELTA_MODES:
-            fail("delta_mode", f"expected one of {DELTA_MODES}")
-        if isinstance(self.delta_value_channels, bool) or not isinstance(self.delta_value_channels, int):
-            fail("delta_value_channels", "expected an integer >= 1")
-        if self.delta_value_channels < 1:
-            fail("delta_value_channels", "expected an integer >= 1")
-        if self.delta_beta_init is not None and (
-            isinstance(self.delta_beta_init, bool)
-            or not isinstance(self.delta_beta_init, (int, float))
-            or not 0.0 <= self.delta_beta_init <= 2.0
-        ):
-            fail(
-                "delta_beta_init",
-                "expected a number in [0, 2] (0 = identity/source model, 1 = projection, 2 = reflection), "
-                "or None for the delta_init scheme's value",
-            )
-        if self.delta_init is not None and self.delta_init not in DELTA_INITS:
-            fail("delta_init", f"expected None (auto) or one of {DELTA_INITS}")
-        if self.delta_gate not in DELTA_GATES:
-            fail("delta_gate", f"expected one of {DELTA_GATES}")
-        if isinstance(self.delta_gate_hidden_size, bool) or not isinstance(self.delta_gate_hidden_size, int):
-            fail("delta_gate_hidden_size", "expected an integer >= 1")
-        if self.delta_gate_hidden_size < 1:
-            fail("delta_gate_hidden_size", "expected an integer >= 1")
-        if not isinstance(self.delta_eps, (int, float)) or not (self.delta_eps > 0 and math.isfinite(self.delta_eps)):
-            fail("delta_eps", "expected a finite number > 0")
-        self.validate_variants()
+    def check_fields(self, rules: tuple[FieldRule, ...]) -> None:
+        """A ValueError naming the first field that breaks its rule, its value and what is allowed."""
+        for rule in rules:
+            if not rule.accepts(getattr(self, rule.field)):
+                self._delta_fail(rule.field, rule.message())
 
-    def validate_variants(self) -> None:
-        """The paper's variants (docs/variants.md): a ValueError naming the field, the value and what is allowed."""
-        fail = self._delta_fail
-        value_channels = self.delta_value_channels
-        if self.delta_state_read not in DELTA_STATE_READS:
-            fail("delta_state_read", f"expected one of {DELTA_STATE_READS}")
-        if self.delta_embed_expand not in DELTA_EMBED_EXPANDS:
-            fail("delta_embed_expand", f"expected one of {DELTA_EMBED_EXPANDS}")
-        size = self.delta_conv_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            fail("delta_conv_size", "expected an integer >= 1")
+    def validate_delta_residual(self) -> None:
+        """The residual's fields (`DELTA_FIELD_RULES`), then the variants' needs (docs/variants.md): a ValueError
+        naming the field, the value and what is allowed."""
+        self.check_fields(DELTA_FIELD_RULES)
+        fail, channels = self._delta_fail, self.delta_value_channels
         if self.delta_state_read == "channel_conv":
-            if value_channels < 2:
+            if channels < 2:
                 fail("delta_state_read", "'channel_conv' mixes value channels: needs delta_value_channels > 1")
-            if size > value_channels:
-                fail("delta_conv_size", f"expected <= delta_value_channels={value_channels} for 'channel_conv'")
-        if self.delta_embed_expand == "conv" and value_channels < 2:
+            if self.delta_conv_size > channels:
+                fail("delta_conv_size", f"expected <= delta_value_channels={channels} for 'channel_conv'")
+        if self.delta_embed_expand == "conv" and channels < 2:
             fail("delta_embed_expand", "'conv' fills the value channels: needs delta_value_channels > 1")
-        if self.delta_value not in DELTA_VALUES:
-            fail("delta_value", f"expected one of {DELTA_VALUES}")
-        constant = self.delta_value_constant
-        if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
-            fail("delta_value_constant", "expected a finite number")
-        scale = self.delta_value_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            fail("delta_value_scale", "expected a finite number > 0")
-        if not isinstance(self.delta_shared_read, bool):
-            fail("delta_shared_read", "expected True (one read per block, the reference's) or False (one per residual)")
-        if not isinstance(self.delta_erase, bool):
-            fail("delta_erase", "expected True (erase and write) or False (write-only: X' = X + beta k v^T)")
 
     @property
     def delta_temporal(self) -> bool:
@@ -194,7 +243,7 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
         paper:    X' = X          + beta * k (v^T - k^T X)
         additive: X' = X + h 1^T  + beta * k (v^T - k^T X)
 
-    `rho = clamp(alpha, 0, 1)` is a learned per-block opening with a straight-through gradient. It is what lets
+    `rho = clamp(beta_open, 0, 1)` is a learned per-block opening with a straight-through gradient. It is what lets
     `delta_beta_init=0.0` make beta *exactly* zero (so the additive model is exactly GPT-2) while the gate still
     gets a non-zero gradient: a smooth gate that is >= 0 and equals 0 sits at its minimum and has zero gradient.
 
@@ -205,14 +254,21 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
         delta_value_channels (`int`, defaults to 1):
             d_v, the number of value channels of the residual state (1 = vector state, >1 = expanded matrix state).
         delta_beta_init (`float`, *optional*):
-            Initial beta of every Delta block, in [0, 2]; 0.0 starts as GPT-2 (additive) or as the identity (paper).
-            Exact for values in [0, 1] and for 2; in (1, 2) it goes through a sigmoid and is exact to float rounding.
-            None (default) = the `delta_init` scheme's value: 0.0 for `"exact"`, 1.0 (the reference code's) for
-            `"reference"`; the model writes the value it used back into the config.
+            Initial beta b of every Delta block, in [0, 2] (0 = no update, 1 = projection, 2 = reflection); how it is
+            met depends on `delta_init`. None (default) = the scheme's value: 0.0 under `"exact"`, 1.0 (the reference
+            code's) under `"reference"`; the model writes the value it used back into the config.
         delta_init (`str`, *optional*):
-            `"exact"`: beta = `delta_beta_init` (0.0) and identity convolutions, so a converted GPT-2 is reproduced bit
-            for bit. `"reference"`: the authors' from-scratch defaults (beta = 1.0, temporal/channel read convolutions
-            start as an average), so a from-scratch paper-mode model is not a stack of identity blocks.
+            How new Delta parameters start:
+            `"exact"`: the gate's last weight starts at 0, so beta = b for every token: exactly for b in [0, 1]
+            (opening rho = b, gate bias 0); for b in (1, 2] rho = 1 and the bias is logit(b / 2), exact to float
+            rounding. Read convolutions start as the identity. With b = 0 an additive model computes GPT-2
+            bit for bit (so a converted GPT-2 is reproduced) and a paper-mode model is a stack of identity blocks.
+            `"reference"`: the authors' from-scratch init: random gate weights and rho = 1, so beta =
+            2 sigmoid(w^T c + logit(b / 2)) varies per token around b (b / 2 clamped to [1e-6, 1 - 1e-6]); b = 1 by
+            default, so a from-scratch paper-mode model is not a stack of identity blocks. b = 0 closes the gate
+            instead (rho = 0, gate bias 0): beta is exactly 0 for every token, as under `"exact"`, and rho still gets
+            a gradient. Temporal/channel read convolutions start as an average over their taps under this scheme,
+            so with b = 0 a TC or CC model still differs from its backbone.
             None (default, auto) = `"exact"` for Delta parameters that a loaded checkpoint lacks (conversion,
             `from_pretrained` of a GPT-2 checkpoint) and `"reference"` for a model built from its config; the model
             writes the scheme it used back into the config.
@@ -281,7 +337,7 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        if self.delta_net_rule in DELTA_NET_RULE_ALIASES:
+        if isinstance(self.delta_net_rule, str) and self.delta_net_rule in DELTA_NET_RULE_ALIASES:
             new = DELTA_NET_RULE_ALIASES[self.delta_net_rule]
             warnings.warn(
                 f"delta_net_rule={self.delta_net_rule!r} is deprecated; use delta_net_rule={new!r} (same behaviour).",
@@ -323,32 +379,12 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
             )
 
     def validate_token_mixer(self) -> None:
-        """The token mixer fields: a ValueError naming the field, the value and what is allowed."""
-
-        def fail(field: str, allowed: str) -> None:
-            raise ValueError(f"DeltaGPTConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
-
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if self.token_mixer not in TOKEN_MIXERS:
-            fail("token_mixer", f"expected one of {TOKEN_MIXERS}")
-        if self.delta_net_heads is not None and not (is_int(self.delta_net_heads) and self.delta_net_heads >= 1):
-            fail("delta_net_heads", "expected None (= n_head) or an integer >= 1")
-        heads = self.delta_net_heads or self.n_head
-        if self.delta_net_head_dim is None:
-            if self.token_mixer == "delta_net" and self.n_embd % heads:
-                fail("delta_net_head_dim", f"None needs n_embd={self.n_embd} divisible by {heads} heads; set it")
-        elif not (is_int(self.delta_net_head_dim) and self.delta_net_head_dim >= 1):
-            fail("delta_net_head_dim", "expected None (= n_embd // heads) or an integer >= 1")
-        if not (is_int(self.delta_net_conv_size) and self.delta_net_conv_size >= 0):
-            fail("delta_net_conv_size", "expected an integer >= 0 (0 = no short convolution)")
-        if not isinstance(self.delta_net_allow_negative_eigval, bool):
-            fail("delta_net_allow_negative_eigval", "expected True (beta in (0, 2)) or False (beta in (0, 1))")
-        if self.delta_net_rule not in DELTA_NET_RULES:
-            fail("delta_net_rule", f"expected one of {DELTA_NET_RULES}")
-        if not (is_int(self.delta_net_chunk_size) and self.delta_net_chunk_size >= 1):
-            fail("delta_net_chunk_size", "expected an integer >= 1")
+        """The token mixer fields (`TOKEN_MIXER_FIELD_RULES`) and DeltaNet's head size: a ValueError naming the field,
+        the value and what is allowed."""
+        self.check_fields(TOKEN_MIXER_FIELD_RULES)
+        fail, heads = self._delta_fail, self.delta_net_heads or self.n_head
+        if self.delta_net_head_dim is None and self.token_mixer == "delta_net" and self.n_embd % heads:
+            fail("delta_net_head_dim", f"None needs n_embd={self.n_embd} divisible by {heads} heads; set it")
 
 
-__all__ = ["DeltaGPTConfig", "DeltaResidualConfigMixin"]
+__all__ = ["DeltaGPTConfig", "DeltaResidualConfigMixin", "FieldRule"]

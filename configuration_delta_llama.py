@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from transformers import LlamaConfig, MistralConfig, PreTrainedConfig, Qwen2Config, Qwen3Config
 
-from .configuration_delta_gpt import DeltaResidualConfigMixin
+from .configuration_delta_gpt import DeltaResidualConfigMixin, FieldRule
 
 # model_type of a supported source family -> its transformers config class.
 DELTA_LLAMA_FAMILIES: dict[str, type[PreTrainedConfig]] = {
@@ -21,6 +21,14 @@ DELTA_LLAMA_FAMILIES: dict[str, type[PreTrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
 }
+
+# DeltaLlamaConfig's own field, checked before the family's config is built from it.
+SOURCE_MODEL_TYPE_RULE = FieldRule(
+    "source_model_type",
+    "choice",
+    tuple(DELTA_LLAMA_FAMILIES),
+    f"expected one of {tuple(DELTA_LLAMA_FAMILIES)} (the Llama-family decoders whose layers DeltaLlama reuses)",
+)
 
 # Keys of a family config's dict that describe a saved checkpoint or the config class, never carried over.
 _NOT_CARRIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
@@ -42,6 +50,10 @@ class DeltaLlamaConfig(PreTrainedConfig, DeltaResidualConfigMixin):
         source_model_type (`str`, defaults to `"llama"`):
             The family whose attention, MLP, RMSNorm and rotary embedding the model uses: one of `"llama"`,
             `"mistral"`, `"qwen2"`, `"qwen3"`.
+        use_cache (`bool`, defaults to `True`):
+            Whether the model returns its cache (the key/value cache, and the Delta variants' recent states) for
+            generation to reuse, as in the family's config. Declared here because transformers drops it from the
+            extra keyword arguments of a config; the family's config checks its value.
         delta_* :
             The Delta residual, exactly as in `DeltaGPTConfig` (both modes, any `delta_value_channels`, the
             variants); see its docstring. `delta_mode="additive"` with beta = 0 computes the source model.
@@ -56,20 +68,17 @@ class DeltaLlamaConfig(PreTrainedConfig, DeltaResidualConfigMixin):
     token_mixer = "attention"
 
     source_model_type: str = "llama"
+    use_cache: bool = True
 
     def __post_init__(self, **kwargs):
-        if self.source_model_type not in DELTA_LLAMA_FAMILIES:
-            raise ValueError(
-                f"DeltaLlamaConfig.source_model_type={self.source_model_type!r} is invalid: expected one of "
-                f"{tuple(DELTA_LLAMA_FAMILIES)} (the Llama-family decoders whose layers DeltaLlama reuses)."
-            )
+        self.check_fields((SOURCE_MODEL_TYPE_RULE,))
         if "token_mixer" in kwargs and kwargs.pop("token_mixer") != "attention":
             raise ValueError(
                 "DeltaLlamaConfig supports only token_mixer='attention' (the family's own attention); "
                 "use DeltaGPTConfig for the DeltaNet token mixer."
             )
         # The family's own config fills its defaults and derived fields; they become attributes of this config.
-        family = DELTA_LLAMA_FAMILIES[self.source_model_type](**kwargs)
+        family = DELTA_LLAMA_FAMILIES[self.source_model_type](use_cache=self.use_cache, **kwargs)
         own = {f for f in type(self).__dataclass_fields__}
         carried = {k: v for k, v in family.to_dict().items() if k not in own and k not in _NOT_CARRIED}
         carried.update({k: v for k, v in kwargs.items() if k not in carried})  # e.g. attn_implementation
@@ -108,9 +117,10 @@ class DeltaLlamaConfig(PreTrainedConfig, DeltaResidualConfigMixin):
     def family_config(self) -> PreTrainedConfig:
         """The source family's own config with the same architecture (the Delta fields dropped): what `export`
         writes, and what the tests compare against."""
-        own = {f for f in type(self).__dataclass_fields__} - {f for f in PreTrainedConfig.__dataclass_fields__}
+        family_class = DELTA_LLAMA_FAMILIES[self.source_model_type]
+        own = set(type(self).__dataclass_fields__) - set(family_class.__dataclass_fields__)  # keeps use_cache
         fields = {k: v for k, v in self.to_dict().items() if k not in own and k not in _NOT_CARRIED}
-        family = DELTA_LLAMA_FAMILIES[self.source_model_type](**fields)
+        family = family_class(**fields)
         family._attn_implementation = self._attn_implementation
         return family
 
