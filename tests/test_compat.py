@@ -6,11 +6,12 @@ which name the cache has in a forward and in an output."""
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from transformers import DynamicCache
 import ddl_hf
 from ddl_hf import delta_compat
 from ddl_hf.delta_compat import CACHE_ARG, cache_of, release
-from ddl_hf.modeling_delta_gpt import DeltaNetCache, DeltaStateCache
+from ddl_hf.delta_layers import DeltaStateCache
+from ddl_hf.delta_net import DeltaNetCache
 
 VARIANTS = ["additive-dv1", "paper-dv4", "delta_net-dv1", "tc-ec-paper-dv4", "cc-dv4"]
 
@@ -40,14 +42,24 @@ def new_cache(model) -> DynamicCache:
     return DeltaStateCache(config) if config.delta_temporal else DynamicCache(config=config)
 
 
+def old_name_warns(cache_name: str) -> contextlib.AbstractContextManager:
+    """`past_key_values=` warns from transformers 5.24 on, as GPT2LMHeadModel's does (test_transformers_contracts.py
+    compares the two), and is the installed name, with no warning, before."""
+    if cache_name == "past_key_values" and CACHE_ARG == "cache":
+        return pytest.warns(FutureWarning, match="past_key_values")
+    return contextlib.nullcontext()
+
+
 def prefill_then_step(model, ids: torch.Tensor, cache_name: str, call=None) -> tuple[torch.Tensor, object]:
     """Logits of the last token, fed one step after a prefill of the others, with the cache passed as `cache_name`."""
     call = call or model
     cache = new_cache(model)
     with torch.no_grad():
-        first = call(ids[:, :-1], use_cache=True, **{cache_name: cache})
+        with old_name_warns(cache_name):
+            first = call(ids[:, :-1], use_cache=True, **{cache_name: cache})
         assert cache_of(first) is cache
-        step = call(ids[:, -1:], use_cache=True, **{cache_name: cache})
+        with old_name_warns(cache_name):
+            step = call(ids[:, -1:], use_cache=True, **{cache_name: cache})
     assert cache_of(step) is cache
     assert cache.get_seq_length() == ids.shape[1]
     return step.logits[:, -1], cache
@@ -71,14 +83,14 @@ def test_both_cache_names_in_the_base_model_and_the_classification_heads(cache_n
     model = scrambled("paper-dv4")
     ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
+    with torch.no_grad(), old_name_warns(cache_name):
         out = model.transformer(ids, use_cache=True, **{cache_name: cache})
     assert cache_of(out) is cache and cache.get_seq_length() == 7
     for head_class in (ddl_hf.DeltaGPTForSequenceClassification, ddl_hf.DeltaGPTForTokenClassification):
         head = head_class(model.config).eval()
         head.transformer.load_state_dict(model.transformer.state_dict())
         cache = DynamicCache(config=model.config)
-        with torch.no_grad():
+        with torch.no_grad(), old_name_warns(cache_name):
             head(ids, use_cache=True, **{cache_name: cache})
         assert cache.get_seq_length() == 7, head_class.__name__
 
@@ -90,13 +102,37 @@ def test_both_cache_names_in_delta_llama(variant, cache_name):
     ids = random_ids(2, 9)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits[:, -1]
-        base = model.model(ids, use_cache=True, **{cache_name: new_cache(model)})
+        with old_name_warns(cache_name):
+            base = model.model(ids, use_cache=True, **{cache_name: new_cache(model)})
     assert cache_of(base).get_seq_length() == 9
     step, _ = prefill_then_step(model, ids, cache_name)
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
-def test_two_different_caches_are_refused():
+def both_names(model) -> tuple[str, int, int]:
+    """What `model` does with a different cache under each name: the warnings or error, and each cache's length."""
+    ids = torch.ones(1, 3, dtype=torch.long)
+    first, second = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            model(ids, cache=first, past_key_values=second)
+            outcome = ""
+        except (TypeError, ValueError) as error:
+            outcome = type(error).__name__
+    messages = sorted(
+        {str(w.message).replace(type(model).__name__, "MODEL") for w in seen if "cache" in str(w.message)}
+    )
+    return outcome + "; ".join(messages), first.get_seq_length(), second.get_seq_length()
+
+
+@pytest.mark.skipif(CACHE_ARG != "cache", reason="before transformers 5.24 GPT-2 takes only past_key_values")
+def test_two_caches_under_both_names_are_taken_as_gpt2_takes_them():
+    assert both_names(scrambled("additive-dv1")) == both_names(gpt2_model())
+
+
+@pytest.mark.skipif(CACHE_ARG == "cache", reason="from transformers 5.24 on, as GPT-2 (the test above)")
+def test_two_different_caches_are_refused_before_5_24():
     model = scrambled("additive-dv1")
     ids = torch.ones(1, 3, dtype=torch.long)
     first, second = DynamicCache(config=model.config), DynamicCache(config=model.config)
@@ -218,68 +254,20 @@ def test_real_old_transformers_ends_with_one_clear_error(saved_model):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# torch internals: probed at import; where one moved, the fast paths are off and every hook still runs.
+# Module hooks: every Delta module call runs them (no fast path reads torch's private hook registries any more).
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_the_hook_probe_reads_the_installed_torch():
-    """If this fails, torch moved its module-hook registries: DeltaGPT still computes the same outputs, but warns
-    and decodes without its fast paths. Update `delta_compat._probe_hook_registries`."""
-    assert delta_compat.HOOKS_READABLE
-
-
-def test_a_moved_hook_registry_is_detected(monkeypatch):
-    from torch.nn.modules import module as torch_module
-
-    monkeypatch.delattr(torch_module, "_global_forward_hooks")
-    assert delta_compat._probe_hook_registries() is None
-
-
-def test_a_registry_that_no_longer_receives_the_hooks_is_detected(monkeypatch):
-    """torch registers global forward-pre hooks somewhere else now: the registry the probe reads stays empty."""
-    from torch.nn.modules import module as torch_module
-
-    elsewhere = collections.OrderedDict()  # what torch keeps hooks in (a handle holds a weak reference to it)
-
-    def register_elsewhere(hook):
-        handle = torch.utils.hooks.RemovableHandle(elsewhere)
-        elsewhere[handle.id] = hook
-        return handle
-
-    monkeypatch.setattr(torch_module, "register_module_forward_pre_hook", register_elsewhere)
-    before = [dict(getattr(torch_module, name)) for name in delta_compat._GLOBAL_HOOK_DICTS]
-    assert delta_compat._probe_hook_registries() is None
-    assert [dict(getattr(torch_module, name)) for name in delta_compat._GLOBAL_HOOK_DICTS] == before  # none left
-    assert not elsewhere
-
-
-def test_a_failing_registration_leaves_no_probe_hook_behind(monkeypatch):
-    from torch.nn.modules import module as torch_module
-
-    def fail(hook):
-        raise TypeError("a new signature")
-
-    monkeypatch.setattr(torch_module, "register_module_forward_pre_hook", fail)
-    assert delta_compat._probe_hook_registries() is None
-    assert not any(getattr(torch_module, name) for name in delta_compat._GLOBAL_HOOK_DICTS)
-
-
-def test_without_readable_hooks_every_module_call_runs_its_hooks(monkeypatch):
-    """The fallback where the probe fails: no fast path, so a global hook sees every Delta residual's update while
-    generating, and the tokens are those of the fast path."""
+def test_every_module_call_runs_its_hooks_while_generating():
+    """A global forward hook sees every Delta residual's call while generating (prefill and each decoding step)."""
     model = scrambled("additive-dv1")
     prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(5))
-    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-    fast = model.generate(prompt, **kwargs)
-    monkeypatch.setattr(delta_compat, "_GLOBAL_HOOKS", None)
-    assert not delta_compat.is_unhooked(model.transformer.h[0].attn_delta)
     calls = []
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: calls.append(1) if isinstance(module, ddl_hf.DeltaResidual) else None
     )
     try:
-        slow = model.generate(prompt, **kwargs)
+        model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     finally:
         handle.remove()
-    assert torch.equal(slow, fast)
     assert len(calls) == 4 * 2 * model.config.n_layer  # prefill + 3 decoding steps, 2 residuals per layer

@@ -37,7 +37,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
-CUSTOM_CODE = ("configuration_delta_gpt.py", "modeling_delta_gpt.py")
+CUSTOM_CODE = (
+    "configuration_delta_gpt.py",
+    "modeling_delta_gpt.py",
+    "delta_layers.py",
+    "delta_net.py",
+    "delta_ops.py",
+    "delta_compat.py",
+)
 
 
 @pytest.fixture(scope="module")

@@ -200,8 +200,7 @@ def test_beta_upper_bounds_hold_for_rmsnorm_gates():
     direction = residual.gate_output.weight[0] * norm.weight
     with torch.no_grad():
         x = direction[None, None] * 3.0  # any positive scale: RMSNorm removes it
-        normed = norm(x)
-        beta = residual(x, normed, torch.randn_like(x))[1]
+        beta = residual(x, lambda x: (norm(x), torch.randn_like(x)))[1]
     assert float(beta) == pytest.approx(bounds["model.layers.0.attn_delta"], rel=1e-4)
 
 
@@ -228,7 +227,7 @@ def test_bad_configs_name_the_problem():
     with pytest.raises(ValueError, match="only token_mixer='attention'"):
         DeltaLlamaConfig(token_mixer="delta_net")
     model = to_delta(build_source("llama"))
-    with pytest.raises(ValueError, match=r"token ids outside \[0, vocab_size=97\)"):
+    with pytest.raises(RuntimeError, match=r"token ids outside \[0, vocab_size=97\)"):  # torch._assert_async
         model(torch.tensor([[5, VOCAB]]))
 
 
@@ -242,7 +241,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "configuration_delta_llama.py",
         "modeling_delta_llama.py",
         "configuration_delta_gpt.py",
-        "modeling_delta_gpt.py",
+        "delta_layers.py",
         "delta_ops.py",
         "delta_compat.py",
     } <= files

@@ -42,7 +42,7 @@ CUSTOM_CODE = (
     "configuration_delta_llama.py",
     "modeling_delta_llama.py",
     "configuration_delta_gpt.py",
-    "modeling_delta_gpt.py",
+    "delta_layers.py",
     "delta_ops.py",
     "delta_compat.py",
 )
@@ -115,6 +115,7 @@ def test_output_is_a_complete_hub_repository(family, converted, source_dirs):
     out, _ = converted[family]
     files = listing(out)
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *CUSTOM_CODE} <= files
+    assert "modeling_delta_gpt.py" not in files  # DeltaLlama's code imports nothing of DeltaGPT's model
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
     assert not any(name.startswith(".") for name in files)
     assert listing(out.parent) == {"delta"}  # no temporary directory left beside it

@@ -49,7 +49,7 @@ def test_delta_residual_matches_dense_operator(mode: str, value_channels: int) -
     normed = torch.randn(2, 5, config.n_embd, generator=generator, dtype=torch.float64)
     branch = torch.randn(2, 5, config.n_embd, generator=generator, dtype=torch.float64)
 
-    new_state, beta = module(state, normed, branch)
+    new_state, beta = module(state, lambda x: (normed, branch))  # (norm(read), sublayer(norm(read)))
 
     # Independent reference in float64 from the definitions.
     c, h, x = normed.double(), branch.double(), state.double().reshape(2, 5, config.n_embd, value_channels)

@@ -94,8 +94,7 @@ def test_variants_round_trip_while_their_convolutions_are_the_identity(variant, 
 
 def _block_beta(block_delta, norm, x: torch.Tensor) -> torch.Tensor:
     """beta from the block's own forward pass for residual inputs x [n, D]."""
-    normed = norm(x)
-    _, beta = block_delta(x, normed, torch.randn_like(x))
+    _, beta = block_delta(x, lambda x: (norm(x), torch.randn_like(x)))
     return beta
 
 

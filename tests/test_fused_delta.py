@@ -1,15 +1,18 @@
-"""The fused Delta update against independent references: the plain autograd path and a dense A = I - beta k k^T."""
+"""The fused Delta update against independent references: the readable reference (`delta_update` of the unit
+direction, autograd through it) and a dense A = I - beta k k^T."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from builders import VOCAB, delta_config, gpt2_config
 from transformers import GPT2LMHeadModel
 
-from ddl_hf import DeltaGPTForCausalLM
+from ddl_hf import DeltaGPTForCausalLM, delta_layers
+from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_ops import delta_update, fused_delta_update, straight_through_clamp, unit_direction
-from ddl_hf.modeling_delta_gpt import DeltaResidual
 
 EPS = 1e-6
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
@@ -112,15 +115,23 @@ def test_straight_through_clamp_value_and_gradient():
     assert torch.equal(grad, torch.ones_like(x))
 
 
-def set_fused(model: torch.nn.Module, fused: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, DeltaResidual):
-            module.fused = fused
+def readable_update(state, h, beta, value, eps, additive, erase=True):
+    """`fused_delta_update`'s readable reference: `delta_update(state, unit_direction(h, eps), ...)`."""
+    beta = beta.squeeze(-1) if beta.dim() == h.dim() else beta  # [..., 1] -> [...]
+    return delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)
+
+
+@contextlib.contextmanager
+def readable_residuals():
+    """Every Delta residual writes with the readable reference in the update op's place (autograd through it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(delta_layers, "fused_delta_update", readable_update)
+        yield
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)
 def test_model_fused_equals_plain(d_v, mode):
-    """The whole model, logits and every parameter gradient, fused vs the plain reference path."""
+    """The whole model, logits and every parameter gradient, fused vs the readable reference."""
     torch.manual_seed(0)
     config = delta_config(delta_mode=mode, delta_value_channels=d_v, delta_beta_init=0.7)  # dropout off
     model = DeltaGPTForCausalLM(config).double()
@@ -130,10 +141,10 @@ def test_model_fused_equals_plain(d_v, mode):
                 module.beta_proj.weight.normal_(0, 0.3)
     ids = torch.randint(0, config.vocab_size, (2, 9))
     results = []
-    for fused in (True, False):
-        set_fused(model, fused)
+    for path in (contextlib.nullcontext, readable_residuals):
         model.zero_grad()
-        out = model(input_ids=ids, labels=ids)
+        with path():
+            out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (logits_f, grads_f), (logits_p, grads_p) = results
@@ -169,15 +180,21 @@ def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32, **fields):
     return module, state, normed, h
 
 
+def step(module: DeltaResidual, state, normed, h, read=None):
+    """The residual's forward with its sublayer's input and output given: the norm returns `normed`, the sublayer
+    `h`; `read` stands for the read of the state (None: the module reads it)."""
+    return module(state, lambda x: (normed, h), read=read)
+
+
 @pytest.mark.parametrize(  # compiling is slow: three cases
     ("d_v", "mode", "value"), [(1, "additive", "linear"), (4, "paper", "linear"), (4, "paper", "sigmoid")]
 )
 def test_compiled_forward_matches_eager(d_v, mode, value):
     module, state, normed, h = residual_and_inputs(d_v, mode, delta_value=value)
     read = (2 * normed.detach().flip(-1) + 1).requires_grad_()  # the un-normalised read ("sigmoid" reads it)
-    eager_state, eager_beta = module(state, normed, h, read=read)
+    eager_state, eager_beta = step(module, state, normed, h, read)
     compiled = torch.compile(module, backend="inductor", fullgraph=True)
-    compiled_state, compiled_beta = compiled(state, normed, h, read=read)
+    compiled_state, compiled_beta = step(compiled, state, normed, h, read)
     torch.testing.assert_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled_beta, eager_beta, rtol=1e-5, atol=1e-6)
     # The compiled graph keeps the hand-written backward.
@@ -199,14 +216,16 @@ def test_bf16_autocast_keeps_delta_math_in_float32(d_v, mode):
         torch.autocast("cpu", dtype=torch.bfloat16),
         torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
     ):
-        new_state, beta = module(state, normed, h_bf16)
+        new_state, beta = step(module, state, normed, h_bf16)
     assert beta.dtype == torch.float32
     assert new_state.dtype == torch.float32
     per_token = [t for t in saved if t.shape[:2] == (2, 7) and t.dim() == 3 and t.shape[-1] in (1, d_v)]
     assert per_token and all(t.dtype == torch.float32 for t in per_token)  # r, h^T X, v
-    # Same result as the float32 reference computed from the (exactly representable) bf16 h.
-    module.fused = False
-    reference, _ = module(state, normed, h_bf16.float())
+    # Same result as the float32 readable reference computed from the (exactly representable) bf16 h.
+    with torch.no_grad():
+        value = module.v_proj(normed)
+        h32 = h_bf16.float()
+        reference = delta_update(state, unit_direction(h32, module.eps), beta, value, h32 if module.additive else None)
     torch.testing.assert_close(new_state, reference, rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad(new_state.sum(), (state, normed, h_bf16))
     assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
@@ -222,17 +241,17 @@ def saved_storages(module: DeltaResidual, state, normed, h) -> dict[int, int]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(state, normed, h)
+        step(module, state, normed, h)
     return saved
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)
 def test_fused_saves_less_for_backward(d_v, mode):
-    """The fused node keeps X and h plus per-token scalars; the plain path also keeps k (size D per token)."""
+    """The fused node keeps X and h plus per-token scalars; the readable reference also keeps k (size D per token)."""
     module, state, normed, h = residual_and_inputs(d_v, mode)
     fused = saved_storages(module, state, normed, h)
-    module.fused = False
-    plain = saved_storages(module, state, normed, h)
+    with readable_residuals():
+        plain = saved_storages(module, state, normed, h)
     assert sum(fused.values()) < sum(plain.values())
     known = {t.untyped_storage().data_ptr() for t in (state, normed, h, *module.parameters())}
     per_token_bytes = 2 * 7 * d_v * 4  # [batch, seq, d_v] float32

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import ddl_hf
 from ddl_hf import DeltaGPTConfig, DeltaLlamaConfig, DeltaLlamaForCausalLM
-from ddl_hf.modeling_delta_gpt import REFERENCE_COMMIT, DeltaResidual, spectral_std
+from ddl_hf.delta_layers import REFERENCE_COMMIT, DeltaResidual, spectral_std
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,13 +32,12 @@ REFERENCE_FILES = ("dv1", "tc", "tc_ec", "cc", "cc_ec")
 
 @pytest.mark.parametrize("d_v", [1, 4])
 @pytest.mark.parametrize("mode", ["paper", "additive"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
-def test_the_sigmoid_value_update_is_the_closed_form_in_float64(d_v, mode, fused):
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no-grad"])
+def test_the_sigmoid_value_update_is_the_closed_form_in_float64(d_v, mode, grad):
     """X' = X (+ h 1^T) + beta k (v^T - k^T X), k = h / sqrt(|h|^2 + eps^2), beta = 2 sigmoid(w.c + b) rho,
-    v = 2.5 sigmoid(W_v r + b_v) with r the read, not c."""
+    v = 2.5 sigmoid(W_v r + b_v) with r the read, not c; under autograd (the update's own backward) and without."""
     config = delta_config(delta_mode=mode, delta_value_channels=d_v, delta_value="sigmoid", delta_value_scale=2.5)
     module = DeltaResidual(config).double()
-    module.fused = fused
     g = torch.Generator().manual_seed(d_v)
     with torch.no_grad():
         for p in module.parameters():
@@ -46,7 +45,9 @@ def test_the_sigmoid_value_update_is_the_closed_form_in_float64(d_v, mode, fused
         module.beta_open.fill_(0.7)
     state = torch.randn(2, 3, 32, *((d_v,) if d_v > 1 else ()), generator=g, dtype=torch.float64)
     c, h, r = (torch.randn(2, 3, 32, generator=g, dtype=torch.float64) for _ in range(3))
-    new_state, beta = module(state, c, h, read=r)
+    with torch.set_grad_enabled(grad):
+        new_state, beta = module(state, lambda x: (c, h), read=r)  # (norm(r), sublayer(norm(r)))
+    assert new_state.requires_grad == grad
 
     w, b = module.beta_proj.weight[0].detach(), module.beta_proj.bias.detach()
     expected_beta = 2 * torch.sigmoid(c @ w + b) * 0.7
@@ -59,13 +60,6 @@ def test_the_sigmoid_value_update_is_the_closed_form_in_float64(d_v, mode, fused
     torch.testing.assert_close(beta, expected_beta, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(new_state, expected if d_v > 1 else expected[..., 0], rtol=1e-12, atol=1e-12)
     assert v.min() > 0 and v.max() < 2.5
-
-
-def test_the_sigmoid_value_refuses_to_run_without_the_read():
-    module = DeltaResidual(delta_config(delta_value="sigmoid"))
-    x = torch.randn(1, 2, 32)
-    with pytest.raises(ValueError, match="un-normalised read of the state: call the residual as"):
-        module(x, x, x)
 
 
 @pytest.mark.parametrize("d_v", [1, 4])

@@ -9,15 +9,15 @@ from builders import VOCAB, delta_model, open_gates
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_of
+from ddl_hf.delta_layers import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 from ddl_hf.delta_ops import (
     channel_conv,
+    channel_conv_read,
     channel_conv_read_weight,
     same_document_taps,
     temporal_conv,
     temporal_conv_read,
-    temporal_conv_read_window,
 )
-from ddl_hf.modeling_delta_gpt import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,19 +76,6 @@ def test_the_one_pass_tc_read_is_the_convolution_summed_over_channels(steps, cac
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_one_tokens_tc_read_from_its_window_is_the_one_pass_read() -> None:
-    """The decoding step's read (`temporal_conv_read_window`: the cached K - 1 inputs and the token as one window)
-    against `temporal_conv_read` of that token with that past, in float64: values and gradients (`gradcheck`)."""
-    g = torch.Generator().manual_seed(11)
-    window = torch.randn(3, 4, 5, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    expected = temporal_conv_read(window[:, 3:], weight, window[:, :3].detach())[:, 0]
-    torch.testing.assert_close(temporal_conv_read_window(window, weight), expected, rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(temporal_conv_read_window, (window, weight))
-    got = torch.autograd.grad(temporal_conv_read_window(window, weight).sum(), weight)[0]
-    torch.testing.assert_close(got, torch.autograd.grad(expected.sum(), weight)[0], rtol=0, atol=1e-12)
-
-
 def test_a_training_forward_with_the_cache_saves_no_second_copy_of_the_state() -> None:
     """With `use_cache` (the default, also under Trainer) a TC read's cached window is the last K - 1 inputs, and
     autograd saves the same storages as without a cache: not the whole `[B, K - 1 + T, D, d_v]` history."""
@@ -138,7 +125,7 @@ def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_s
     fused, fused_bf16 = run(False), run(True)
     original = DeltaConvContext.convolve_read
     try:
-        DeltaConvContext.convolve_read = lambda self, x, key, w, kernel=None: self.convolve(x, key, w).sum(-1)
+        DeltaConvContext.convolve_read = lambda self, x, key, w: self.convolve(x, key, w).sum(-1)
         plain, plain_bf16 = run(False), run(True)
     finally:
         DeltaConvContext.convolve_read = original
@@ -167,10 +154,11 @@ def test_channel_conv_matches_a_plain_loop(channels: int, size: int) -> None:
             if 0 <= c < channels:
                 expected[..., o] += weight[:, j] * state[..., c]
     torch.testing.assert_close(channel_conv(state, weight), expected, rtol=0, atol=1e-12)
-    # The model's fast path folds the convolution and the read vector into one [D, d_v] weight.
+    # The CC read's entry point folds the convolution and the read vector into one [D, d_v] weight.
     read = torch.randn(channels, generator=g, dtype=torch.float64)
     folded = (state * channel_conv_read_weight(weight, read)).sum(-1)
     torch.testing.assert_close(folded, expected @ read, rtol=0, atol=1e-12)
+    torch.testing.assert_close(channel_conv_read(state, weight, read), expected @ read, rtol=0, atol=1e-12)
 
 
 def test_model_reads_are_the_convolution_then_the_read_vector() -> None:
@@ -285,15 +273,15 @@ def test_cache_operations_and_memory_do_not_grow_with_the_context() -> None:
     per_sequence = size * 4 * ((2 * config.n_layer + 1) * d * d_v + d)
     assert sizes == [3 * per_sequence] * 4
 
-    window = cache.delta_window("h.0.attn").clone()
+    window = cache.delta_windows["h.0.attn"].clone()
     cache.reorder_cache(torch.tensor([2, 0, 1]))
-    assert torch.equal(cache.delta_window("h.0.attn"), window[[2, 0, 1]])
+    assert torch.equal(cache.delta_windows["h.0.attn"], window[[2, 0, 1]])
     cache.batch_select_indices(torch.tensor([1]))
-    assert torch.equal(cache.delta_window("h.0.attn"), window[[0]])
+    assert torch.equal(cache.delta_windows["h.0.attn"], window[[0]])
     cache.batch_repeat_interleave(2)
-    assert cache.delta_window("h.0.attn").shape[0] == 2
+    assert cache.delta_windows["h.0.attn"].shape[0] == 2
     cache.crop(-1)  # drop the last token: the window keeps the K - 1 before it
-    assert torch.equal(cache.delta_window("h.0.attn")[:1], window[[0], : size - 1])
+    assert torch.equal(cache.delta_windows["h.0.attn"][:1], window[[0], : size - 1])
     with pytest.raises(ValueError, match="Cannot crop 1 tokens"):
         cache.crop(-1)
 
