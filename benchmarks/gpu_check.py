@@ -1,0 +1,1068 @@
+"""One-command check of DeltaGPT / DeltaLlama on an accelerator: correctness, no host synchronisation, and cost.
+
+    python benchmarks/gpu_check.py                        # on the GPU; sized for under 8 minutes on one H100
+    python benchmarks/gpu_check.py --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
+    python benchmarks/gpu_check.py --device cpu --tiny --compiled-variants   # without the compiled rows
+
+On 2 busy CPU cores the whole tiny run takes a few minutes, most of it dynamo compiling the compiled rows.
+
+Everything is built inside the repository: models from their configs (random weights, the Delta model sharing every
+baseline weight), data from random token ids; nothing is downloaded, and nothing imports `datasets`. Results go to
+`benchmarks/results/gpu_check.{json,md}` (or `--out DIR`) with their command, commit, machine, device and versions.
+
+Sections (each check catches its own exception and is recorded as an error; one failure loses no other result):
+
+- correctness: float32 logits of every variant on the device against the same model on the CPU; bf16 autocast
+  against float32, bounded relative to the baseline's (GPT-2's / Llama's) own bf16 error; greedy `generate` with the
+  cache against without it; SDPA against eager attention, and flash attention where it is installed.
+- sync: a training step (forward + backward) and a cached decoding step under
+  `torch.cuda.set_sync_debug_mode("error")`, with GPT2LMHeadModel / LlamaForCausalLM as the controls (CUDA only).
+- cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio next to the baseline
+  timed against itself (the A/A noise floor): training tokens/s and peak memory at the 124M shape (bf16 autocast,
+  eager and `torch.compile`), batch-1 and batch-32 decoding tokens/s (eager, and compiled with the static cache
+  where the variant has one). Rows that would run past the time budget (`--budget-s`) are skipped and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import importlib.metadata
+import inspect
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import utils as hf_utils
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ddl_hf
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when imported or run by runpy
+from _common import cpu_model, provenance, write_results
+
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
+
+# --- what is checked ---------------------------------------------------------------------------------------------
+
+_COMMON = dict(delta_beta_init=0.5)  # a generic open gate: additive mode at beta 0 would be the baseline exactly
+#: name -> (baseline family, Delta fields). Every section runs every variant; the compiled cost rows a subset.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "additive-dv1": ("gpt2", dict(delta_mode="additive", delta_value_channels=1)),
+    "paper-dv1": ("gpt2", dict(delta_mode="paper", delta_value_channels=1)),
+    "additive-dv4": ("gpt2", dict(delta_mode="additive", delta_value_channels=4)),
+    "paper-dv4": ("gpt2", dict(delta_mode="paper", delta_value_channels=4)),
+    "paper-dv4-tc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv")),
+    "paper-dv4-cc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="channel_conv")),
+    "llama-additive-dv1": ("llama", dict(delta_mode="additive", delta_value_channels=1)),
+    "llama-paper-dv4": ("llama", dict(delta_mode="paper", delta_value_channels=4)),
+}
+#: Compiled cost rows (kind, variant), in priority order: the budget guard drops the last first. TC decoding: the
+#: static cache's refusal, recorded as "not supported".
+COMPILED_ROWS = (
+    ("train", "additive-dv1"),
+    ("decode", "paper-dv4-tc"),
+    ("decode", "additive-dv1"),
+    ("train", "paper-dv4"),
+    ("decode", "paper-dv4"),
+    ("train", "llama-additive-dv1"),
+    ("decode", "llama-additive-dv1"),
+    ("train", "paper-dv4-tc"),
+)
+FLASH = (("flash_attention_2", "is_flash_attn_2_available"), ("flash_attention_3", "is_flash_attn_3_available"))
+
+# Shapes. check: correctness and sync (deep enough that errors accumulate); cost: GPT-2 small (124M).
+FULL = dict(
+    check=dict(n_layer=6, n_embd=384, n_head=6, vocab_size=8192, batch=2, seq=128, prompt=16, new_tokens=16),
+    cost=dict(
+        n_layer=12, n_embd=768, n_head=12, vocab_size=50257, llama_vocab_size=32000, batch=8, seq=1024, prompt=32
+    ),
+    new_tokens=32,
+    decode_batches=(1, 32),
+    train_pairs=8,
+    decode_pairs=3,
+)
+TINY = dict(
+    check=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=2, seq=32, prompt=8, new_tokens=8),
+    cost=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, llama_vocab_size=512, batch=4, seq=64, prompt=8),
+    new_tokens=4,
+    decode_batches=(1, 32),
+    train_pairs=2,
+    decode_pairs=1,
+)
+
+EPS_FP32 = torch.finfo(torch.float32).eps  # 2^-23
+EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2^-7
+FP32_HEADROOM = 8
+BF16_FACTOR = 4
+
+
+def fp32_bound(shape: dict) -> float:
+    """Bound on max|Δ logits| / max|logits| between two float32 evaluations that differ only in summation order:
+    a D-term dot product rounds to about sqrt(D)·eps, once per residual update (2 per layer), 8x headroom."""
+    return FP32_HEADROOM * EPS_FP32 * 2 * shape["n_layer"] * math.sqrt(shape["n_embd"])
+
+
+FP32_BOUND_TEXT = f"{FP32_HEADROOM}·ε₃₂·2L·√D (ε₃₂ = 2^-23, L layers, width D)"
+BF16_BOUND_TEXT = f"{BF16_FACTOR} × max(the baseline's own error, ε_bf16 = 2^-7)"
+
+# --- models ------------------------------------------------------------------------------------------------------
+
+
+def base_config(family: str, shape: dict) -> GPT2Config | LlamaConfig:
+    """The baseline's config: GPT-2 (dropout off), or a Llama of the same depth and width (GQA, SwiGLU 8/3·D)."""
+    if family == "llama":
+        return LlamaConfig(
+            num_hidden_layers=shape["n_layer"],
+            hidden_size=shape["n_embd"],
+            num_attention_heads=shape["n_head"],
+            num_key_value_heads=shape["n_head"] // 2,
+            intermediate_size=64 * math.ceil(8 * shape["n_embd"] / 3 / 64),
+            vocab_size=shape.get("llama_vocab_size", shape["vocab_size"]),
+            max_position_embeddings=1024,
+        )
+    return GPT2Config(
+        n_layer=shape["n_layer"],
+        n_embd=shape["n_embd"],
+        n_head=shape["n_head"],
+        vocab_size=shape["vocab_size"],
+        bos_token_id=shape["vocab_size"] - 1,  # <|endoftext|> is the last token, as in GPT-2's 50257
+        eos_token_id=shape["vocab_size"] - 1,
+        n_positions=1024,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
+def build_baseline(family: str, shape: dict) -> PreTrainedModel:
+    torch.manual_seed(0)
+    config = base_config(family, shape)
+    config._attn_implementation = "sdpa"
+    return (LlamaForCausalLM if family == "llama" else GPT2LMHeadModel)(config).eval()
+
+
+def build_delta(variant: str, baseline: PreTrainedModel) -> PreTrainedModel:
+    """The variant over `baseline`'s config, on the CPU, holding every baseline weight (the Delta ones are extra)."""
+    family, fields = VARIANTS[variant]
+    architecture = {
+        k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")
+    }
+    torch.manual_seed(1)
+    if family == "llama":
+        config = DeltaLlamaConfig(source_model_type="llama", **architecture, **_COMMON, **fields)
+    else:
+        config = DeltaGPTConfig(**architecture, **_COMMON, **fields)
+    config._attn_implementation = "sdpa"
+    delta = (DeltaLlamaForCausalLM if family == "llama" else DeltaGPTForCausalLM)(config)
+    state = {k: v.detach().to("cpu") for k, v in baseline.state_dict().items()}
+    _, unexpected = delta.load_state_dict(state, strict=False)
+    if unexpected:
+        raise RuntimeError(f"baseline weights that the Delta model lacks: {unexpected}")
+    return delta.eval()
+
+
+def cache_kwarg(model: torch.nn.Module, cache: object) -> dict:
+    """The cache under the name this transformers gives it (`cache` from 5.24, `past_key_values` before)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def cache_out(outputs: object) -> object:
+    return outputs["cache"] if "cache" in outputs else outputs["past_key_values"]
+
+
+def random_ids(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b|, in float64."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """IEEE float32 matmuls and convolutions on CUDA (no TF32), restored afterwards."""
+    targets = [t for t in (torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)) if t is not None]
+    if not all(hasattr(t, "fp32_precision") for t in targets):  # before torch 2.9: the legacy flags
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        return
+    saved = [t.fp32_precision for t in targets]
+    for t in targets:
+        t.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for t, value in zip(targets, saved):
+            t.fp32_precision = value
+
+
+def autocast(device: torch.device, enabled: bool = True) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def logits_of(model: torch.nn.Module, ids: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    with torch.no_grad(), autocast(ids.device, bf16):
+        return model(input_ids=ids).logits.float()
+
+
+def free(device: torch.device) -> None:
+    """Give a finished row's GPU memory back (models hold reference cycles); on the CPU nothing to gain."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# --- recording ---------------------------------------------------------------------------------------------------
+
+
+def guarded(fn: Callable[[], dict]) -> dict:
+    """`fn()`'s record, or an error record with the exception: one failing check never loses the others."""
+    start = time.perf_counter()
+    try:
+        record = fn()
+    except Exception as error:  # recorded in the results, not swallowed
+        record = {"status": "error", "error": f"{type(error).__name__}: {error}"[:2000]}
+        record["traceback"] = traceback.format_exc(limit=-6)[-4000:]
+    record["wall_s"] = round(time.perf_counter() - start, 3)
+    return record
+
+
+def passed(ok: bool) -> str:
+    return "pass" if ok else "fail"
+
+
+def fp32_record(errors: dict, bound: float) -> dict:
+    """The Delta model against the float32 bound; the baseline's status says whether the bound itself holds here."""
+    return {
+        "status": passed(errors["delta"] <= bound),
+        "error": errors["delta"],
+        "baseline_error": errors["baseline"],
+        "baseline_status": passed(errors["baseline"] <= bound),
+        "bound": bound,
+    }
+
+
+# --- correctness -------------------------------------------------------------------------------------------------
+
+
+def check_models(
+    plan: dict, variants: list[str]
+) -> Iterator[tuple[str, str, Callable[[], tuple[PreTrainedModel, PreTrainedModel]]]]:
+    """(variant, family, builder of (baseline, Delta) on the CPU) for each of `variants`, at the check shape."""
+    for variant in variants:
+        family = VARIANTS[variant][0]
+
+        def build(variant: str = variant, family: str = family) -> tuple[PreTrainedModel, PreTrainedModel]:
+            baseline = build_baseline(family, plan["check"])
+            return baseline, build_delta(variant, baseline)
+
+        yield variant, family, build
+
+
+def correctness_row(variant: str, build: Callable, plan: dict, device: torch.device) -> dict:
+    """Every correctness check of one variant; each its own record."""
+    shape = plan["check"]
+    bound = fp32_bound(shape)
+    row: dict = {"variant": variant}
+    baseline, delta = build()
+    ids = random_ids(delta.config.vocab_size, shape["batch"], shape["seq"], seed=2)
+
+    def device_vs_cpu() -> dict:
+        with exact_fp32():
+            cpu = {"delta": logits_of(delta, ids), "baseline": logits_of(baseline, ids)}
+            errors = {}
+            for name, model in (("delta", delta), ("baseline", baseline)):
+                errors[name] = rel_err(logits_of(copy.deepcopy(model).to(device), ids.to(device)), cpu[name])
+        return fp32_record(errors, bound)
+
+    row["device_vs_cpu_fp32"] = guarded(device_vs_cpu)
+    delta, baseline = delta.to(device), baseline.to(device)
+    ids = ids.to(device)
+
+    def bf16_autocast() -> dict:
+        with exact_fp32():
+            errors = {
+                name: rel_err(logits_of(m, ids, bf16=True), logits_of(m, ids)) for name, m in _pair(baseline, delta)
+            }
+        limit = BF16_FACTOR * max(errors["baseline"], EPS_BF16)
+        return {
+            "status": passed(errors["delta"] <= limit),
+            "error": errors["delta"],
+            "baseline_error": errors["baseline"],
+            "bound": limit,
+        }
+
+    row["bf16_autocast"] = guarded(bf16_autocast)
+
+    def generate_cache() -> dict:
+        prompt = ids[:, : shape["prompt"]]
+        n = shape["new_tokens"]
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        kwargs["attention_mask"] = torch.ones_like(prompt)
+        with exact_fp32(), torch.no_grad():
+            cached = delta.generate(prompt, use_cache=True, **kwargs)
+            plain = delta.generate(prompt, use_cache=False, **kwargs)
+            if torch.equal(cached, plain):
+                return {"status": "pass", "equal": True, "new_tokens": n}
+            # Different tokens are still right where the uncached logits of the two choices tie within the bound.
+            position = int((cached != plain).any(0).nonzero()[0])
+            b = int((cached[:, position] != plain[:, position]).nonzero()[0])
+            logits = logits_of(delta, plain[b : b + 1, :position])[0, -1]
+        gap = (logits[cached[b, position]] - logits[plain[b, position]]).abs().item() / logits.abs().max().item()
+        return {
+            "status": passed(gap <= bound),
+            "equal": False,
+            "first_difference": position,
+            "relative_logit_gap": gap,
+            "note": "differs first where the two tokens' logits tie within the float32 bound" if gap <= bound else "",
+        }
+
+    row["generate_cache"] = guarded(generate_cache)
+
+    def sdpa_vs_eager() -> dict:
+        with exact_fp32():
+            errors = {}
+            for name, model in _pair(baseline, delta):
+                sdpa = logits_of(model, ids)
+                model.set_attn_implementation("eager")
+                try:
+                    errors[name] = rel_err(logits_of(model, ids), sdpa)
+                finally:
+                    model.set_attn_implementation("sdpa")
+        return fp32_record(errors, bound)
+
+    row["sdpa_vs_eager"] = guarded(sdpa_vs_eager)
+
+    for implementation, probe in FLASH:
+
+        def flash(implementation: str = implementation, probe: str = probe) -> dict:
+            if device.type != "cuda":
+                return {"status": "skipped", "reason": "flash attention runs on CUDA only"}
+            if not getattr(hf_utils, probe, lambda: False)():
+                return {"status": "skipped", "reason": f"{implementation} is not installed"}
+            errors = {}
+            for name, model in _pair(baseline, delta):
+                half = copy.deepcopy(model).to(torch.bfloat16)
+                sdpa = logits_of(half, ids)
+                half.set_attn_implementation(implementation)
+                errors[name] = rel_err(logits_of(half, ids), sdpa)
+                del half
+            limit = BF16_FACTOR * max(errors["baseline"], EPS_BF16)
+            return {
+                "status": passed(errors["delta"] <= limit),
+                "error": errors["delta"],
+                "baseline_error": errors["baseline"],
+                "bound": limit,
+                "against": "sdpa, both in bfloat16",
+            }
+
+        row[implementation] = guarded(flash)
+    return row
+
+
+def _pair(baseline: PreTrainedModel, delta: PreTrainedModel) -> tuple[tuple[str, PreTrainedModel], ...]:
+    return ("baseline", baseline), ("delta", delta)
+
+
+def correctness_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
+    rows = []
+    for variant, _, build in check_models(plan, variants):
+        record = guarded(lambda variant=variant, build=build: correctness_row(variant, build, plan, device))
+        record.setdefault("variant", variant)
+        rows.append(record)
+        free(device)
+        print(f"correctness {variant:20s} {_statuses(record)}", flush=True)
+    return {
+        "shape": plan["check"],
+        "fp32_bound": fp32_bound(plan["check"]),
+        "fp32_bound_formula": FP32_BOUND_TEXT,
+        "bf16_bound_formula": BF16_BOUND_TEXT,
+        "metric": "max|Δ logits| / max|reference logits|",
+        "rows": rows,
+    }
+
+
+def _statuses(record: dict) -> str:
+    if record.get("status") == "error":
+        return f"error: {record['error']}"
+    return " ".join(f"{k}={v['status']}" for k, v in record.items() if isinstance(v, dict) and "status" in v)
+
+
+# --- synchronisation ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def sync_debug_error() -> Iterator[None]:
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def synchronised(error: RuntimeError) -> dict:
+    """The failure record of sync debug mode's error; any other error is raised (and recorded as an error)."""
+    if "synchroniz" not in str(error).lower():
+        raise error
+    return {"status": "fail", "synchronises": str(error)[:1000]}
+
+
+def sync_checks(model: PreTrainedModel, plan: dict, device: torch.device) -> dict:
+    """A training step (bf16 autocast forward with labels, backward) and one cached decoding step (no mask: an
+    unpadded batch), each run once to warm up, then again under sync debug mode "error"."""
+    shape = plan["check"]
+    model.to(device)
+    ids = random_ids(model.config.vocab_size, shape["batch"], shape["seq"], seed=3).to(device)
+
+    def train_step() -> dict:
+        model.train()
+
+        def step() -> None:
+            with autocast(device):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+
+        step()
+        model.zero_grad(set_to_none=True)
+        try:
+            with sync_debug_error():
+                step()
+        except RuntimeError as error:
+            return synchronised(error)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.eval()
+        return {"status": "pass"}
+
+    def decode_step() -> dict:
+        with torch.no_grad():
+            out = model(input_ids=ids[:, : shape["prompt"]], use_cache=True)
+            cache, token = cache_out(out), out.logits[:, -1:].argmax(-1)
+            token = model(input_ids=token, use_cache=True, **cache_kwarg(model, cache)).logits[:, -1:].argmax(-1)
+            try:
+                with sync_debug_error():
+                    model(input_ids=token, use_cache=True, **cache_kwarg(model, cache))
+            except RuntimeError as error:
+                return synchronised(error)
+        return {"status": "pass"}
+
+    return {"train_step": guarded(train_step), "decode_step": guarded(decode_step)}
+
+
+def sync_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
+    if device.type != "cuda":
+        reason = "torch.cuda.set_sync_debug_mode needs CUDA: on the CPU there is no device to synchronise with"
+        return {"status": "skipped", "reason": reason, "rows": []}
+    rows = []
+    jobs: list[tuple[str, bool, Callable[[], PreTrainedModel]]] = [
+        (f"control: {family}", True, lambda family=family: build_baseline(family, plan["check"]))
+        for family in ("gpt2", "llama")
+    ]
+    for variant, _, build in check_models(plan, variants):
+        jobs.append((variant, False, lambda build=build: build()[1]))
+    for name, control, build in jobs:
+        record = guarded(lambda build=build: sync_checks(build(), plan, device))
+        record.update(variant=name, control=control)
+        rows.append(record)
+        free(device)
+        print(f"sync        {name:20s} {_statuses(record)}", flush=True)
+    return {"shape": plan["check"], "rows": rows}
+
+
+# --- cost --------------------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(
+    fn_a: Callable[[], object], fn_b: Callable[[], object], pairs: int, device: torch.device, warmup: bool = True
+) -> dict:
+    """Median wall seconds of A and B (order alternating per pair, ABBA) and the median per-pair ratio B / A."""
+    if warmup:
+        fn_a()
+        fn_b()
+    a, b = [], []
+    for i in range(pairs):
+        for fn, times in ((fn_a, a), (fn_b, b)) if i % 2 == 0 else ((fn_b, b), (fn_a, a)):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    ratios = [tb / ta for ta, tb in zip(a, b)]
+    return {
+        "baseline_s": statistics.median(a),
+        "delta_s": statistics.median(b),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "pairs": pairs,
+    }
+
+
+def train_step_fn(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """Forward (bf16 autocast) with labels, backward, AdamW."""
+
+    def step() -> None:
+        with autocast(ids.device):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of parameters, buffers and optimizer state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def peak_step_bytes(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Peak tensor bytes of one training step: the model's parameters, buffers and AdamW state, plus the most the
+    step allocates on top (CUDA: the caching allocator's peak; CPU: the running sum of the profiler's allocations)."""
+    device = next(model.parameters()).device
+    before = live_bytes(model, optimizer)
+    if device.type == "cuda":
+        synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        synchronize(device)
+        return before + torch.cuda.max_memory_allocated(device) - start
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return before + peak
+
+
+def generate_fn(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int, compiled: str | None) -> Callable:
+    """Greedy `generate` of exactly `new_tokens`; `compiled` (a torch.compile backend): static cache and
+    transformers' compiled decoding step."""
+    extra: dict = {}
+    if compiled:
+        # dynamic=False: one static graph per batch size. With automatic dynamic shapes, the second batch size (or
+        # the next model through transformers' shared forward wrapper) recompiles mid-timing into a dynamic graph.
+        config = CompileConfig(fullgraph=True, dynamic=False, backend=compiled, mode="default")
+        config._compile_all_devices = True  # transformers compiles on CUDA only unless asked
+        extra = dict(cache_implementation="static", compile_config=config)
+    mask = torch.ones_like(prompt)
+
+    def run() -> None:
+        with torch.inference_mode():
+            model.generate(
+                prompt,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
+            )
+
+    return run
+
+
+class CostRunner:
+    """Holds each family's baseline (and its optimizer, compiled form and A/A floors) across the rows."""
+
+    def __init__(self, plan: dict, device: torch.device, backend: str):
+        self.plan, self.device, self.backend = plan, device, backend
+        self.shape = plan["cost"]
+        self.baselines: dict[str, dict] = {}
+
+    def baseline(self, family: str) -> dict:
+        if family not in self.baselines:
+            model = build_baseline(family, self.shape).to(self.device)
+            model.loss_type = "ForCausalLM"  # transformers resolves the loss through a property that logs otherwise
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            self.baselines[family] = {"model": model, "optimizer": optimizer, "floors": {}, "compiled": None}
+        return self.baselines[family]
+
+    def ids(self, vocab: int) -> torch.Tensor:
+        return random_ids(vocab, self.shape["batch"], self.shape["seq"], seed=4).to(self.device)
+
+    def floor(self, family: str, metric: str, measure: Callable[[], dict]) -> dict:
+        floors = self.baselines[family]["floors"]
+        if metric not in floors:
+            floors[metric] = measure()
+        return floors[metric]
+
+    def train(self, variant: str, compiled: bool) -> dict:
+        family = VARIANTS[variant][0]
+        base = self.baseline(family)
+        delta = build_delta(variant, base["model"]).to(self.device)
+        delta.loss_type = "ForCausalLM"
+        models = [base["model"], delta]
+        if compiled:
+            if base["compiled"] is None:
+                base["compiled"] = torch.compile(base["model"], fullgraph=True, dynamic=False, backend=self.backend)
+            callables = [base["compiled"], torch.compile(delta, fullgraph=True, dynamic=False, backend=self.backend)]
+        else:
+            callables = models
+        for model in models:
+            model.train()
+        ids = self.ids(base["model"].config.vocab_size)
+        optimizer = torch.optim.AdamW(delta.parameters(), lr=1e-4)
+        step_a = train_step_fn(callables[0], ids, base["optimizer"])
+        step_b = train_step_fn(callables[1], ids, optimizer)
+        kind = "compiled" if compiled else "eager"
+        pairs = self.plan["train_pairs"]
+        for step in (step_a, step_b):  # compiles (when compiled) and creates the AdamW state: not timed
+            step()
+            step()
+
+        def aa_time() -> dict:
+            return interleaved(step_a, step_a, pairs, self.device, warmup=False)
+
+        def aa_memory() -> dict:
+            first = peak_step_bytes(step_a, base["model"], base["optimizer"])
+            second = peak_step_bytes(step_a, base["model"], base["optimizer"])
+            return {"baseline_bytes": first, "delta_bytes": second, "ratio": second / first}
+
+        floor_time = self.floor(family, f"train_{kind}", aa_time)
+        floor_memory = self.floor(family, f"memory_{kind}", aa_memory)
+        timing = interleaved(step_a, step_b, pairs, self.device, warmup=False)
+        memory_a = floor_memory["baseline_bytes"]  # the baseline's step does not change between rows
+        memory_b = peak_step_bytes(step_b, delta, optimizer)
+        for model in models:
+            model.eval()
+        return {
+            f"train_{kind}": throughput(timing, floor_time, ids.numel()),
+            f"peak_train_memory_{kind}": {
+                "baseline_bytes": memory_a,
+                "delta_bytes": memory_b,
+                "ratio": memory_b / memory_a,
+                "aa_floor": aa_summary(floor_memory),
+            },
+        }
+
+    def decode(self, variant: str, compiled: bool) -> dict:
+        family = VARIANTS[variant][0]
+        base = self.baseline(family)
+        baseline = base["model"].eval()
+        delta = build_delta(variant, baseline).to(self.device).eval()
+        backend = self.backend if compiled else None
+        kind = "compiled" if compiled else "eager"
+        n = self.plan["new_tokens"]
+        record = {}
+        for batch in self.plan["decode_batches"]:
+            prompt = random_ids(baseline.config.vocab_size, batch, self.shape["prompt"], seed=5).to(self.device)
+            run_a, run_b = (generate_fn(m, prompt, n, backend) for m in (baseline, delta))
+            metric = f"decode_b{batch}_{kind}"
+            try:
+                run_b()  # the first call compiles, or refuses the static cache
+            except ValueError as error:
+                if "not supported" not in str(error):
+                    raise
+                record[metric] = {"status": "not supported", "reason": str(error)[:500]}
+                continue
+            floor = self.floor(
+                family, metric, lambda run_a=run_a: interleaved(run_a, run_a, self.plan["decode_pairs"], self.device)
+            )
+            timing = interleaved(run_a, run_b, self.plan["decode_pairs"], self.device)
+            record[metric] = throughput(timing, floor, batch * n)
+        return record
+
+
+def aa_summary(floor: dict) -> dict:
+    return {k: floor[k] for k in ("ratio", "ratio_min", "ratio_max", "pairs") if k in floor}
+
+
+def throughput(timing: dict, floor: dict, tokens: int) -> dict:
+    """Tokens/s of both and the cost ratio (Delta time / baseline time: > 1 is slower), with the A/A floor."""
+    return {
+        "baseline_tokens_per_s": tokens / timing["baseline_s"],
+        "delta_tokens_per_s": tokens / timing["delta_s"],
+        "tokens_per_call": tokens,
+        **timing,
+        "aa_floor": aa_summary(floor),
+    }
+
+
+def cost_plan(variants: list[str], compiled_variants: list[str]) -> list[tuple[str, str, bool]]:
+    """(kind, variant, compiled), in the order they run: what the budget guard drops goes last."""
+    rows = [("train", v, False) for v in variants] + [("decode", v, False) for v in variants]
+    return rows + [(kind, v, True) for kind, v in COMPILED_ROWS if v in compiled_variants]
+
+
+#: Expected seconds of a row on the GPU before one of its kind has measured (then: the last such row's time).
+FIRST_ROW_ESTIMATE_S = {("train", False): 10, ("decode", False): 20, ("train", True): 120, ("decode", True): 120}
+GRACE_S = 60  # a row expected to end later than this past the budget is not started
+
+
+def cost_section(
+    plan: dict,
+    device: torch.device,
+    backend: str,
+    selection: tuple[list[str], list[str]],
+    start: float,
+    budget_s: float,
+    save: Callable[[], None],
+) -> dict:
+    """`selection`: (variants, compiled variants). Rows that would start after `budget_s` seconds from `start`, or
+    that are expected to end more than GRACE_S after it, are skipped and recorded as such."""
+    runner = CostRunner(plan, device, backend)
+    section: dict = {
+        "shape": plan["cost"],
+        "new_tokens": plan["new_tokens"],
+        "decode_batches": list(plan["decode_batches"]),
+        "train_pairs": plan["train_pairs"],
+        "decode_pairs": plan["decode_pairs"],
+        "compile_backend": backend,
+        "budget_s": budget_s,
+        "rows": [],
+    }
+    last: dict[tuple[str, bool], float] = {}
+    # Every Delta variant is a new graph of the same forwards: room for all of them (the default stops at 8).
+    dynamo_config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    with dynamo_config.patch({limit: max(getattr(dynamo_config, limit), 64)}):
+        for kind, variant, compiled in cost_plan(*selection):
+            _cost_row(runner, section, last, (kind, variant, compiled), start, budget_s)
+            save()
+    return section
+
+
+def _cost_row(
+    runner: CostRunner, section: dict, last: dict, job: tuple[str, str, bool], start: float, budget_s: float
+) -> None:
+    """One cost row, or its skip when past the budget, appended to `section`; `last`: seconds of the last measured
+    row of each kind, the estimate for the next."""
+    kind, variant, compiled = job
+    device = runner.device
+    elapsed = time.perf_counter() - start
+    expected = last.get((kind, compiled), FIRST_ROW_ESTIMATE_S[kind, compiled] if device.type == "cuda" else 0)
+    row: dict = {"kind": kind, "variant": variant, "family": VARIANTS[variant][0], "compiled": compiled}
+    if elapsed >= budget_s or elapsed + expected > budget_s + GRACE_S:
+        reason = f"time budget: {elapsed:.0f} s spent, about {expected:.0f} s more expected, budget {budget_s:.0f} s"
+        row.update(status="skipped", reason=reason)
+    else:
+        measure = runner.train if kind == "train" else runner.decode
+        row.update(guarded(lambda: measure(variant, compiled)))
+        row.setdefault("status", "ok")
+        if any("ratio" in m for m in _metrics(row).values()):  # a refusal says nothing about the next row's time
+            last[kind, compiled] = row["wall_s"]
+    section["rows"].append(row)
+    section["floors"] = {f: dict(b["floors"]) for f, b in runner.baselines.items()}
+    free(device)
+    print(
+        f"cost        {kind:6s} {'compiled' if compiled else 'eager':8s} {variant:20s} {_cost_line(row)}",
+        flush=True,
+    )
+
+
+def _metrics(row: dict) -> dict:
+    return {k: v for k, v in row.items() if isinstance(v, dict) and ("ratio" in v or v.get("status"))}
+
+
+def _cost_line(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}: {row.get('reason') or row.get('error')}"
+    return " ".join(f"{k} {v['ratio']:.3f}" if "ratio" in v else f"{k} {v['status']}" for k, v in _metrics(row).items())
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+
+def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
+    """(section, label, record) of every check with a status."""
+    for key in ("correctness", "sync"):
+        section = results.get(key) or {}
+        if section.get("status") in ("error", "skipped"):
+            yield key, "section", section
+        for row in section.get("rows", []):
+            if row.get("status") == "error":
+                yield key, row["variant"], row
+            for name, record in row.items():
+                if isinstance(record, dict) and "status" in record:
+                    yield key, f"{row['variant']} {name}", record
+    cost = results.get("cost") or {}
+    if cost.get("status") == "error":
+        yield "cost", "section", cost
+    for row in cost.get("rows", []):
+        label = f"{row['kind']} {'compiled' if row['compiled'] else 'eager'} {row['variant']}"
+        yield "cost", label, row
+        for name, record in _metrics(row).items():
+            if record.get("status"):
+                yield "cost", f"{label} {name}", record
+
+
+def summary(results: dict) -> dict:
+    counts: dict[str, int] = {}
+    failures = []
+    for section, label, record in all_checks(results):
+        counts[record["status"]] = counts.get(record["status"], 0) + 1
+        if record["status"] in ("fail", "error"):
+            failures.append({"section": section, "check": label, "status": record["status"], **_why(record)})
+    return {"counts": counts, "failures": failures}
+
+
+def _why(record: dict) -> dict:
+    return {k: record[k] for k in ("error", "synchronises", "reason") if k in record}
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}" if abs(value) < 1e-2 else f"{value:.{digits}f}"
+
+
+def _cell(record: dict | None) -> str:
+    if not record:
+        return "-"
+    status = record.get("status", "?")
+    if status == "pass" and "error" in record:
+        return f"pass ({_num(record['error'])})"
+    if status == "fail" and "error" in record:
+        return f"**fail** ({_num(record['error'])})"
+    return {"fail": "**fail**", "error": "**error**"}.get(status, status)
+
+
+def _ratio_cell(record: dict | None) -> str:
+    if not record:
+        return "-"
+    if "ratio" not in record:
+        return record.get("status", "-")
+    floor = record.get("aa_floor", {})
+    spread = f"[{floor['ratio_min']:.2f}, {floor['ratio_max']:.2f}]" if "ratio_min" in floor else ""
+    return f"{record['ratio']:.3f} (A/A {floor.get('ratio', float('nan')):.3f} {spread})".replace(" )", ")")
+
+
+def markdown(results: dict) -> str:
+    info, totals = results["device"], results["summary"]["counts"]
+    lines = [
+        "# GPU check",
+        "",
+        f"Device: {info['name']} ({info['device']}"
+        + (f", CUDA {info['cuda']}, capability {info['capability']}" if info.get("cuda") else "")
+        + f"); mode: {'tiny' if results['tiny'] else 'full'}; wall {results.get('wall_s', 0):.0f} s. "
+        + "Checks: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(totals.items())),
+        "",
+    ]
+    correctness = results.get("correctness") or {}
+    if correctness.get("rows"):
+        c = correctness
+        lines += [
+            "## Correctness",
+            "",
+            f"Shape L{c['shape']['n_layer']} D{c['shape']['n_embd']}, batch {c['shape']['batch']} × {c['shape']['seq']}"
+            f" tokens. Error = {c['metric']}. Float32 (TF32 off) against the bound {c['fp32_bound_formula']} ="
+            f" {c['fp32_bound']:.2e}; bfloat16 against {c['bf16_bound_formula']}. Baseline: GPT-2 (GPT-2 variants)"
+            " or Llama (DeltaLlama) of the same shape and weights; its own error in brackets."
+            + (" On the CPU, `device vs CPU` compares two CPU runs." if info["device"] == "cpu" else ""),
+            "",
+            "| variant | device vs CPU fp32 | bf16 autocast | generate cache = no cache | SDPA vs eager | flash-attn 2"
+            " | flash-attn 3 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in c["rows"]:
+            if row.get("status") == "error":
+                lines.append(f"| {row['variant']} | **error**: {row['error']} | | | | | |")
+                continue
+            cells = []
+            for key in ("device_vs_cpu_fp32", "bf16_autocast", "generate_cache", "sdpa_vs_eager"):
+                record = row.get(key) or {}
+                cell = _cell(record)
+                if "baseline_error" in record:
+                    cell += f" [{_num(record['baseline_error'])}]"
+                cells.append(cell)
+            cells += [_cell(row.get(k)) for k, _ in FLASH]
+            lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    sync = results.get("sync") or {}
+    if sync:
+        lines += [
+            "## No synchronisation",
+            "",
+            "A training step (bf16 autocast forward with labels, backward) and a cached decoding step (no mask) under"
+            ' `torch.cuda.set_sync_debug_mode("error")`, after one warm-up call each; GPT2LMHeadModel and'
+            " LlamaForCausalLM of the same shape are the controls.",
+            "",
+        ]
+        if sync.get("status") in ("skipped", "error"):
+            lines += [f"{sync['status'].capitalize()}: {sync.get('reason') or sync.get('error')}.", ""]
+        else:
+            lines += ["| model | train step | decode step |", "|---|---|---|"]
+            for row in sync["rows"]:
+                cells = [
+                    _cell(row.get(k)) if row.get("status") != "error" else "**error**"
+                    for k in ("train_step", "decode_step")
+                ]
+                lines.append(f"| {row['variant']} | {cells[0]} | {cells[1]} |")
+            lines.append("")
+    cost = results.get("cost") or {}
+    if cost.get("rows"):
+        s = cost["shape"]
+        lines += [
+            "## Cost",
+            "",
+            f"Delta model against its baseline in one process (L{s['n_layer']} D{s['n_embd']}, GPT-2 vocabulary"
+            f" {s['vocab_size']}, Llama {s['llama_vocab_size']}). Ratio = Delta time per token / baseline's (> 1 is"
+            f" slower; memory: Delta / baseline), median of interleaved pairs; next to it the baseline timed against"
+            f" itself (A/A: median [min, max] pair). Training: batch {s['batch']} × {s['seq']}, bf16 autocast, AdamW,"
+            f" {cost['train_pairs']} pairs; decoding: {cost['new_tokens']} new tokens after a {s['prompt']}-token"
+            f" prompt, {cost['decode_pairs']} pairs; compiled: `torch.compile(fullgraph=True, dynamic=False)`, backend"
+            f" {cost['compile_backend']}, static cache for decoding.",
+            "",
+            "| variant | kind | train step | peak train memory | "
+            + " | ".join(f"decode b={b}" for b in cost["decode_batches"])
+            + " |",
+            "|---|---|---|---|" + "---|" * len(cost["decode_batches"]),
+        ]
+        merged: dict[tuple[str, bool], dict] = {}
+        for row in cost["rows"]:
+            key = (row["variant"], row["compiled"])
+            entry = merged.setdefault(key, {})
+            if row["status"] == "ok":
+                entry.update(_metrics(row))
+            else:
+                entry[row["kind"]] = row["status"] + (f": {row['error']}" if row["status"] == "error" else "")
+        for (variant, compiled), entry in merged.items():
+            kind = "compiled" if compiled else "eager"
+            train = _ratio_cell(entry.get(f"train_{kind}")) if f"train_{kind}" in entry else entry.get("train", "-")
+            memory = _ratio_cell(entry.get(f"peak_train_memory_{kind}")) if f"train_{kind}" in entry else "-"
+            decodes = [
+                _ratio_cell(entry.get(f"decode_b{b}_{kind}"))
+                if f"decode_b{b}_{kind}" in entry
+                else entry.get("decode", "-")
+                for b in cost["decode_batches"]
+            ]
+            lines.append(f"| {variant} | {kind} | {train} | {memory} | " + " | ".join(decodes) + " |")
+        lines += [
+            "",
+            "Absolute tokens/s (baseline → Delta):",
+            "",
+            "| variant | metric | baseline | Delta |",
+            "|---|---|---|---|",
+        ]
+        for row in cost["rows"]:
+            for name, record in _metrics(row).items():
+                if "baseline_tokens_per_s" in record:
+                    lines.append(
+                        f"| {row['variant']} | {name} | {record['baseline_tokens_per_s']:.0f} | "
+                        f"{record['delta_tokens_per_s']:.0f} |"
+                    )
+                elif "baseline_bytes" in record:
+                    lines.append(
+                        f"| {row['variant']} | {name} (MiB) | {record['baseline_bytes'] / 2**20:.0f} | "
+                        f"{record['delta_bytes'] / 2**20:.0f} |"
+                    )
+        lines.append("")
+    failures = results["summary"]["failures"]
+    lines += ["## Failures", ""]
+    lines += [f"- {f['section']}: {f['check']}: {f['status']} {_why(f)}" for f in failures] or ["None."]
+    return "\n".join(lines) + "\n"
+
+
+# --- main --------------------------------------------------------------------------------------------------------
+
+
+def device_info(device: torch.device) -> dict:
+    info: dict = {"device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
+    else:
+        info["name"] = cpu_model()
+    packages = {}
+    for package in ("triton", "accelerate", "peft", "flash_attn", "flash_attn_3", "datasets"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            packages[package] = importlib.metadata.version(package)
+    info["packages"] = packages
+    return info
+
+
+SECTIONS = ("correctness", "sync", "cost")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and 1-2 pairs: the code paths in seconds")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
+    parser.add_argument("--name", default="gpu_check", help="basename of the result files")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument(
+        "--compiled-variants",
+        nargs="*",
+        choices=list(VARIANTS),
+        help="variants of the compiled cost rows (default: those of COMPILED_ROWS among --variants)",
+    )
+    parser.add_argument("--budget-s", type=float, default=420, help="skip the cost rows left after this many seconds")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--compile-backend",
+        help="torch.compile backend of the compiled rows (default: inductor; aot_eager with --tiny on the CPU, "
+        "the same graph capture without the C++ build)",
+    )
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    hf_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    plan = TINY if args.tiny else FULL
+    backend = args.compile_backend or ("aot_eager" if args.tiny and device.type == "cpu" else "inductor")
+    compiled = args.compiled_variants
+    compiled = [v for _, v in COMPILED_ROWS if v in args.variants] if compiled is None else compiled
+
+    prov = provenance(None if argv is None else [__file__, *argv])
+    results: dict = {"provenance": prov, "device": device_info(device)}
+    results["tiny"] = args.tiny
+    results["variants"] = {name: {"family": f, **_COMMON, **fields} for name, (f, fields) in VARIANTS.items()}
+
+    def save() -> None:
+        results["wall_s"] = time.perf_counter() - start
+        results["summary"] = summary(results)
+        write_results(args.out, args.name, results, markdown(results))
+
+    for name in args.sections:
+        if name == "correctness":
+            run = lambda: correctness_section(plan, device, args.variants)  # noqa: E731
+        elif name == "sync":
+            run = lambda: sync_section(plan, device, args.variants)  # noqa: E731
+        else:
+            run = lambda: cost_section(  # noqa: E731
+                plan, device, backend, (args.variants, compiled), start, args.budget_s, save
+            )
+        results[name] = guarded(run)
+        save()
+    print(markdown(results).split("## Correctness")[0].strip())
+    print(f"wrote {args.out / args.name}.json and .md")
+    return results
+
+
+if __name__ == "__main__":
+    main()

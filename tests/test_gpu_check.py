@@ -1,0 +1,131 @@
+"""benchmarks/gpu_check.py: its tiny CPU mode runs every section's code path and writes every result.
+
+The run is a subprocess in which `datasets` cannot be imported, as on the GPU machine the check is written for.
+Two variants keep it short and still cover both families, d_v = 4, paper mode, the TC read (whose static cache is
+refused) and a compiled training step. About 40 s on 2 cores, most of it imports and the compiled step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+VARIANTS = ("paper-dv4-tc", "llama-paper-dv4")
+# sys.modules[name] = None makes `import name` fail, as where the package is not installed.
+RUNNER = (
+    "import runpy, sys; sys.modules['datasets'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+CORRECTNESS = ("device_vs_cpu_fp32", "bf16_autocast", "generate_cache", "sdpa_vs_eager")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    command = [sys.executable, "-c", RUNNER, str(SCRIPT), "--device", "cpu", "--tiny", "--threads", "1"]
+    # The compiled rows with dynamo's capture alone (fullgraph, so a graph break still fails): the default for --tiny,
+    # aot_eager, adds ~20 s of AOT autograd tracing on 2 cores.
+    command += ["--out", str(out), "--variants", *VARIANTS, "--compile-backend", "eager"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+
+
+def test_results_say_where_they_come_from(run):
+    results, md = run
+    provenance = results["provenance"]
+    assert "benchmarks/gpu_check.py --device cpu --tiny" in provenance["command"]
+    assert "commit" in provenance["git"]
+    assert provenance["versions"]["torch"] == torch.__version__ and provenance["versions"]["transformers"]
+    assert results["device"]["device"] == "cpu" and results["device"]["name"]
+    assert md.startswith("# GPU check\n") and "> Commit:" in md
+
+
+def test_every_correctness_check_of_every_variant_passes(run):
+    results, md = run
+    section = results["correctness"]
+    assert [row["variant"] for row in section["rows"]] == list(VARIANTS)
+    assert 0 < section["fp32_bound"] < 1e-3 and section["fp32_bound_formula"] and section["bf16_bound_formula"]
+    for row in section["rows"]:
+        for check in CORRECTNESS:
+            assert row[check]["status"] == "pass", (row["variant"], check, row[check])
+        assert row["bf16_autocast"]["error"] <= row["bf16_autocast"]["bound"]
+        for flash, _ in gpu_check.FLASH:  # CUDA only: skipped, with the reason
+            assert row[flash]["status"] == "skipped" and row[flash]["reason"]
+    assert "## Correctness" in md and "| paper-dv4-tc | pass" in md
+
+
+def test_sync_section_is_skipped_on_the_cpu_with_its_reason(run):
+    results, md = run
+    assert results["sync"]["status"] == "skipped" and "CUDA" in results["sync"]["reason"]
+    assert "## No synchronisation" in md and "Skipped: torch.cuda.set_sync_debug_mode needs CUDA" in md
+
+
+def test_every_ratio_comes_with_its_aa_floor(run):
+    results, md = run
+    rows = results["cost"]["rows"]
+    measured = {(row["kind"], row["variant"], row["compiled"]): row for row in rows}
+    expected = {(kind, v, False) for kind in ("train", "decode") for v in VARIANTS}
+    expected |= {("train", "paper-dv4-tc", True), ("decode", "paper-dv4-tc", True)}
+    assert set(measured) == expected
+    ratios = 0
+    for row in rows:
+        assert row["status"] == "ok", row
+        for name, metric in gpu_check._metrics(row).items():
+            if metric.get("status") == "not supported":  # TC: no static cache, so no compiled decoding
+                assert (row["variant"], row["compiled"]) == ("paper-dv4-tc", True) and metric["reason"], name
+                continue
+            ratios += 1
+            assert metric["ratio"] > 0 and metric["aa_floor"]["ratio"] > 0, (row["variant"], name)
+            if "baseline_tokens_per_s" in metric:  # timed: tokens/s of both and the A/A spread
+                assert metric["baseline_tokens_per_s"] > 0 and metric["delta_tokens_per_s"] > 0
+                assert metric["aa_floor"]["ratio_min"] <= metric["aa_floor"]["ratio_max"]
+            else:
+                assert metric["baseline_bytes"] > 0 and metric["delta_bytes"] > 0
+    # eager: training time and memory, decoding at 2 batch sizes; compiled TC: training time and memory
+    assert ratios == len(VARIANTS) * 4 + 2
+    assert {"train_eager", "memory_eager", "decode_b1_eager", "decode_b32_eager"} <= set(
+        results["cost"]["floors"]["gpt2"]
+    )
+    assert "## Cost" in md and "(A/A " in md and "not supported" in md
+
+
+def test_nothing_failed(run):
+    results, md = run
+    assert results["summary"]["failures"] == []
+    assert "fail" not in results["summary"]["counts"] and "error" not in results["summary"]["counts"]
+    assert md.rstrip().endswith("## Failures\n\nNone.")
+
+
+def test_budget_guard_skips_the_rows_past_the_budget():
+    plan = gpu_check.TINY
+    section = gpu_check.cost_section(
+        plan, torch.device("cpu"), "eager", (["additive-dv1"], ["additive-dv1"]), time.perf_counter() - 100, 60, dict
+    )
+    assert len(section["rows"]) == 4  # train and decode, eager and compiled
+    assert all(row["status"] == "skipped" and "time budget" in row["reason"] for row in section["rows"])
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gpu_check, "correctness_section", broken)
+    results = gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--sections", "correctness", "sync"])
+    assert results["correctness"]["status"] == "error" and "boom" in results["correctness"]["error"]
+    assert results["sync"]["status"] == "skipped"
+    assert results["summary"]["failures"][0]["section"] == "correctness"
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert written["correctness"]["status"] == "error" and "sync" in written
