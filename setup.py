@@ -15,7 +15,7 @@ minimum = {name: re.search(rf'^MINIMUM_{name} = "([^"]+)"', compat, re.M)[1] for
 setup(
     name="ddl-hf",
     version=version,
-    description="Deep Delta Learning for GPT-2 in Hugging Face Transformers: DeltaGPT models, conversion, workflows.",
+    description="Deep Delta Learning for GPT-2 and Llama-family decoders in Hugging Face Transformers.",
     long_description=(here / "README.md").read_text(encoding="utf-8") if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     license="Apache-2.0",
@@ -37,10 +37,10 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        # ddl_hf.native: the optional native decoding kernel, built on first use (also needs a C++ compiler)
+        # ddl_hf.native: the optional native kernels, built on first use (also needs a C++ compiler)
         "native": ["ninja>=1.11"],
         "dev": [
-            "ninja>=1.11",  # tests/test_native_decoding.py builds the native kernel
+            "ninja>=1.11",  # tests/test_native_kernels.py builds the native kernels
             "pytest>=8",
             "hypothesis>=6.100",
             "ruff>=0.6",

@@ -48,13 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import provenance, write_results
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
-from ddl_hf.native import (
-    disable_native_decoding,
-    disable_native_training,
-    enable_native_decoding,
-    enable_native_training,
-    native_build_problem,
-)
+from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
 
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
@@ -313,8 +307,8 @@ def bench_variant(
     fields: dict | None = None,
     native: bool = False,
 ) -> dict:
-    """One row; `native`: also train with `ddl_hf.native`'s training kernels (`train_step_native`) and decode at
-    batch 1 with its decoding kernel (`generation_b1_native`)."""
+    """One row; `native`: also train (`train_step_native`) and decode at batch 1 (`generation_b1_native`) with
+    `ddl_hf.native`'s kernels registered."""
     shape = SHAPES[shape_name]
     gpt2, delta = build_pair(shape, value_channels, mode, fields)
     g = torch.Generator().manual_seed(1)
@@ -327,9 +321,9 @@ def bench_variant(
     step_b, opt_b = train_step_fn(delta, ids)
     row["train_step"] = interleaved(step_a, step_b, pairs)
     if native:  # the same steps again, the Delta update and TC read with the native training kernels
-        enable_native_training(delta)
+        enable_native_kernels()
         row["train_step_native"] = interleaved(step_a, step_b, pairs)
-        disable_native_training(delta)
+        disable_native_kernels()
     del step_a, step_b
     mem_ids = torch.randint(0, shape["vocab_size"], (shape["memory_batch"], shape["seq"]), generator=g)
     step_a, _ = train_step_fn(gpt2, mem_ids, opt_a)
@@ -350,12 +344,12 @@ def bench_variant(
         result = interleaved(generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs)
         row[f"generation_b{batch}"] = with_tokens_per_s(result, batch, gen_tokens)
         if batch == 1 and native:  # the same prompt again, with the optional native decoding kernel
-            enable_native_decoding(delta)
+            enable_native_kernels()
             result = interleaved(
                 generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs
             )
             row["generation_b1_native"] = with_tokens_per_s(result, batch, gen_tokens)
-            disable_native_decoding(delta)
+            disable_native_kernels()
     return row
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ddl_hf import DeltaGPTConfig
-from ddl_hf.modeling_delta_gpt import DeltaEmbedExpand, DeltaResidual
+from ddl_hf.delta_layers import DeltaEmbedExpand, DeltaResidual
 
 FILES = {
     "dv1": "DDL-vdim1-gpt-mha-rope.py",

@@ -18,7 +18,7 @@ import bench_pretrain
 import torch
 from _common import provenance, write_results
 
-from ddl_hf.modeling_delta_gpt import DeltaStateConv
+from ddl_hf.delta_layers import DeltaStateConv
 
 #: where the convolutions start as the identity (the rest: the average over the K taps, the reference's init)
 CASES = {

@@ -28,7 +28,7 @@ from bench_overhead import SHAPES, build_pair, train_step_fn
 from torch.profiler import ProfilerActivity, profile
 from transformers.utils import logging as hf_logging
 
-from ddl_hf.native import enable_native_training, native_build_problem
+from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
 
 VARIANTS = {
     "linear read": {},
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs += [(f"{variant}, native", fields, True) for variant, fields in VARIANTS.items()]
     for variant, fields, native in runs:
         gpt2, delta = build_pair(shape, 4, "paper", fields)
-        if native:
-            enable_native_training(delta)
+        (enable_native_kernels if native else disable_native_kernels)()
         base_step, delta_step = train_step_fn(gpt2, ids)[0], train_step_fn(delta, ids)[0]
         for step in (base_step, delta_step, base_step, delta_step):  # warm-up: allocator, AdamW state
             step()
@@ -118,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["rows"].append(row)
         shares = " ".join(f"{p} {s:+.3f}" for p, s in row["parts_share_of_gpt2"].items())
         print(f"{variant:12s} ratio {row['ratio']:.3f}: {shares}", flush=True)
+    disable_native_kernels()
     write_results(
         args.out, "variant_step_profile_quick" if args.quick else "variant_step_profile", results, markdown(results)
     )
