@@ -13,7 +13,7 @@ a run is written only once complete, so a killed study redoes it and never count
 every row is also trained at two more learning rates (seed 0) and, where another is better, its remaining seeds
 there; the same rows on GPT-2's backbone give continuity with the first study.
 
-Writes `benchmarks/results/pretrain_scaling.{json,md,png}` and the table of the README's "Does DDL help?".
+Writes `benchmarks/results/pretrain_scaling.{json,md,png}` and the study's table in `docs/studies.md`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import bench_pretrain as bp
 
 RESULTS = bp.RESULTS
-README = Path(__file__).resolve().parents[1] / "README.md"
-README_BEGIN, README_END = "<!-- pretrain_scaling:begin -->", "<!-- pretrain_scaling:end -->"
+STUDIES = Path(__file__).resolve().parents[1] / "docs" / "studies.md"
+STUDIES_BEGIN, STUDIES_END = "<!-- pretrain_scaling:begin -->", "<!-- pretrain_scaling:end -->"
 
 #: The study's rows (bench_pretrain.VARIANTS names): the baseline, the authors' d_v = 1 / d_v = 4 TC / d_v = 4 CC,
 #: our conversion mode built from scratch, and the baseline reading through a learnable token convolution with every
@@ -450,8 +450,8 @@ def trend_verdict(t: dict) -> str:
     return "no resolved trend"
 
 
-def readme_table(results: dict) -> str:
-    """The README's summary: Δ vs the baseline at each width, equal steps and equal compute, and the trend."""
+def studies_table(results: dict) -> str:
+    """The summary in docs/studies.md: Δ vs the baseline at each width, equal steps and equal compute, and the trend."""
     a = results["analysis"]
     sizes = [s for s in a["sizes"].values() if s["arch"] == "llama"]
     head = " | ".join(f"d = {s['width']} ({s['params'] / 1e6:.2f}M)" for s in sizes)
@@ -471,7 +471,7 @@ def readme_table(results: dict) -> str:
     prov = results["provenance"]
     return "\n".join(
         [
-            README_BEGIN,
+            STUDIES_BEGIN,
             f"<!-- written by benchmarks/bench_pretrain_scaling.py at commit {prov['git']['commit'][:7]}; "
             "edit the script, not this block -->",
             "",
@@ -479,17 +479,17 @@ def readme_table(results: dict) -> str:
             "",
             *lines,
             "",
-            README_END,
+            STUDIES_END,
         ]
     )
 
 
-def update_readme(results: dict, path: Path = README) -> None:
+def update_studies(results: dict, path: Path = STUDIES) -> None:
     text = path.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise SystemExit(f"bench_pretrain_scaling: {path} has no {README_BEGIN} ... {README_END} block to regenerate")
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    path.write_text(text[:start] + readme_table(results) + text[end:])
+    if STUDIES_BEGIN not in text or STUDIES_END not in text:
+        raise SystemExit(f"bench_pretrain_scaling: {path} has no {STUDIES_BEGIN} ... {STUDIES_END} block to regenerate")
+    start, end = text.index(STUDIES_BEGIN), text.index(STUDIES_END) + len(STUDIES_END)
+    path.write_text(text[:start] + studies_table(results) + text[end:])
 
 
 def plot(results: dict, path: Path) -> None:
@@ -555,7 +555,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=None, help="default: $DDL_HF_CACHE or ~/.cache/ddl_hf, /pretrain")
     parser.add_argument("--output-dir", default=str(RESULTS))
     parser.add_argument("--workers", type=int, default=None, help="runs at a time (default: the plan's)")
-    parser.add_argument("--no-readme", action="store_true", help="do not regenerate the README's table")
+    parser.add_argument("--no-docs", action="store_true", help="do not regenerate the table in docs/studies.md")
     return parser.parse_args(argv)
 
 
@@ -628,8 +628,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = markdown(results)
     write_results(out, name, results, report)
     plot(results, out / f"{name}.png")
-    if not args.quick and not args.no_readme and out.resolve() == RESULTS.resolve():
-        update_readme(results)
+    if not args.quick and not args.no_docs and out.resolve() == RESULTS.resolve():
+        update_studies(results)
     print(report)
     return results
 

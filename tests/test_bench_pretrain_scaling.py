@@ -74,15 +74,15 @@ def synthetic(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_pretrain, "prepare_data", prepare_data)
     monkeypatch.setattr(bench_pretrain, "train_one", train_one)
     monkeypatch.setitem(scaling.PLANS, "quick", PLAN)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n\n{scaling.README_BEGIN}\nold\n{scaling.README_END}\n\nafter\n")
+    studies = tmp_path / "studies.md"
+    studies.write_text(f"# title\n\nbefore\n\n{scaling.STUDIES_BEGIN}\nold\n{scaling.STUDIES_END}\n\nafter\n")
     threads = torch.get_num_threads()  # the study sets one thread per run; later tests keep the suite's count
-    yield trained, readme, tmp_path
+    yield trained, studies, tmp_path
     torch.set_num_threads(threads)
 
 
 def test_study_reports_the_differences_trends_and_learning_rates_it_was_given(synthetic):
-    trained, readme, tmp_path = synthetic
+    trained, studies, tmp_path = synthetic
     argv = ["--quick", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out")]
     results = scaling.main(argv)
     # The plan: every row x seed at each width, the sweep's seed 0 at the two other lrs, GPT-2 rows at the middle,
@@ -124,11 +124,20 @@ def test_study_reports_the_differences_trends_and_learning_rates_it_was_given(sy
     again = scaling.main([*argv, "--report-only"])
     assert again["analysis"]["trends"] == a["trends"] and again["analysis"]["sweep"] == a["sweep"]
     assert len(trained) == results["runs_done"]
-    # The README's block is regenerated between its markers, the rest kept.
-    scaling.update_readme(results, readme)
-    text = readme.read_text()
+    # The block in docs/studies.md is regenerated between its markers, the rest kept.
+    scaling.update_studies(results, studies)
+    text = studies.read_text()
     assert text.startswith("# title\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     assert text.count("| reference d_v=4 TC |") == 1
+
+
+def test_the_studies_doc_holds_the_one_block_the_study_rewrites():
+    """A finished study rewrites its table in docs/studies.md; a missing or doubled marker would stop it at the end."""
+    text = scaling.STUDIES.read_text(encoding="utf-8")
+    assert text.count(scaling.STUDIES_BEGIN) == 1 and text.count(scaling.STUDIES_END) == 1
+    block = text[text.index(scaling.STUDIES_BEGIN) : text.index(scaling.STUDIES_END)]
+    assert "| reference d_v=4 TC |" in block
+    assert scaling.STUDIES_BEGIN not in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_trend_is_welchs_interval():

@@ -1,5 +1,6 @@
 """What a reader of the code meets: tests and code say what they check and why, not which issue asked for them
-(an issue number means nothing to a reader of the code); and no pickle-style weights among the project's files."""
+(an issue number means nothing to a reader of the code); no pickle-style weights among the project's files; and a
+README that is a short front door whose links, like the docs', all lead somewhere."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 200
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def test_no_source_test_or_doc_names_an_issue_number():
@@ -41,3 +46,37 @@ def test_no_pickle_style_weights_are_kept_in_the_repository():
         if path.suffix in {".bin", ".pt", ".pth", ".ckpt", ".pkl"} and "__pycache__" not in path.parts
     ]
     assert not found, found
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = FENCE.sub("", path.read_text(encoding="utf-8"))
+    headings = re.findall(r"^#+\s+(.+?)\s*$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(FENCE.sub("", doc.read_text(encoding="utf-8"))):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in heading_anchors(path):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_a_short_front_door_that_starts_with_set_up_demo_and_tests():
+    """Its first block sets everything up and runs the demo, then the tests, with the command CI runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= README_MAX_LINES, "README.md grew: move the long version into docs/"
+    first_block = FENCE.search(readme).group(0).splitlines()[1:-1]
+    assert len(first_block) == 2, first_block
+    demo, tests = (line.split("#")[0].strip() for line in first_block)
+    assert demo.startswith("pip install") and demo.endswith("python examples/demo.py"), demo
+    assert tests.startswith("pip install") and tests.endswith("python -m pytest"), tests
+    assert "python -m pytest" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
