@@ -172,6 +172,38 @@ class DeltaGPTPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
         self.init_delta_weights(module)
 
 
+def check_inputs(
+    config: DeltaGPTConfig,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    past_len: int,
+) -> None:
+    """Clear errors for the usual silent or cryptic failures (index errors deep inside an embedding): from shapes
+    on the host, from data on the device (`torch._assert_async`: the host never waits for it)."""
+    n_positions = config.n_positions
+    if position_ids is None and past_len + seq_len > n_positions:
+        raise ValueError(
+            f"Sequence too long: {seq_len} new tokens + {past_len} cached tokens > n_positions={n_positions}. "
+            f"Truncate the input (e.g. tokenizer(..., truncation=True, max_length={n_positions}))."
+        )
+    if position_ids is not None and position_ids.numel():
+        torch._assert_async(
+            (position_ids < n_positions).all(),
+            f"position_ids reach n_positions={n_positions} or more: truncate the input or pass smaller ones.",
+        )
+    check_token_ids(input_ids, config.vocab_size)
+    if attention_mask is not None and attention_mask.ndim == 2:
+        expected = (batch_size, past_len + seq_len)
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected} "
+                "(batch_size, past tokens + new tokens). Pass the mask the tokenizer returned with the input_ids."
+            )
+
+
 class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
     def __init__(self, config: DeltaGPTConfig):
         super().__init__(config)
@@ -261,7 +293,9 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         else:
             self.check_window_cache(cache)
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        self._check_inputs(input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens)
+        check_inputs(
+            self.config, input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens
+        )
 
         document_starts = None
         if delta_net or temporal:  # packed rows: states and windows that run over tokens restart at each document
@@ -325,37 +359,6 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
             # d_v > 1: the final expanded state and the reads, for `hidden_states_contract`, which replaces them.
             expanded_states=(final_state, *reads) if hand_over_final_state else None,
         )
-
-    def _check_inputs(
-        self,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        batch_size: int,
-        seq_len: int,
-        past_len: int,
-    ) -> None:
-        """Clear errors for the usual silent or cryptic failures (index errors deep inside an embedding): from shapes
-        on the host, from data on the device (`torch._assert_async`: the host never waits for it)."""
-        n_positions = self.config.n_positions
-        if position_ids is None and past_len + seq_len > n_positions:
-            raise ValueError(
-                f"Sequence too long: {seq_len} new tokens + {past_len} cached tokens > n_positions={n_positions}. "
-                f"Truncate the input (e.g. tokenizer(..., truncation=True, max_length={n_positions}))."
-            )
-        if position_ids is not None and position_ids.numel():
-            torch._assert_async(
-                (position_ids < n_positions).all(),
-                f"position_ids reach n_positions={n_positions} or more: truncate the input or pass smaller ones.",
-            )
-        check_token_ids(input_ids, self.config.vocab_size)
-        if attention_mask is not None and attention_mask.ndim == 2:
-            expected = (batch_size, past_len + seq_len)
-            if tuple(attention_mask.shape) != expected:
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected} "
-                    "(batch_size, past tokens + new tokens). Pass the mask the tokenizer returned with the input_ids."
-                )
 
 
 class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):

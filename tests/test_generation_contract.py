@@ -111,13 +111,14 @@ def test_static_and_config_built_caches_are_refused_for_delta_net(delta_net_mode
 
 
 def test_delta_net_decoding_compiles_with_fullgraph(delta_net_model, prompt):
-    """`_can_compile_fullgraph` stays True for DeltaNet: a decoding step with the cache compiles without graph break
-    (the "eager" backend checks the capture; inductor was checked by hand, within 1.5e-7; the cache-free forward is
-    exported in test_delta_net_clients). generate does not auto-compile it (DeltaNetCache is not `is_compileable`)
-    and gives the eager tokens with a compile_config."""
+    """A decoding step with the cache compiles without graph break (the "eager" backend checks the capture; inductor
+    was checked by hand, within 1.5e-7; the cache-free forward is exported in test_delta_net_clients). The model
+    still says `_can_compile_fullgraph = False`, as transformers' Falcon-H1 does for its recurrent state: there is no
+    static cache, so transformers' compiled generation cannot run. generate does not auto-compile it (DeltaNetCache
+    is not `is_compileable`) and gives the eager tokens with a compile_config."""
     from transformers import CompileConfig
 
-    assert delta_net_model._can_compile_fullgraph
+    assert not delta_net_model._can_compile_fullgraph
     torch._dynamo.reset()
     step = torch.compile(lambda ids, cache: delta_net_model(ids, cache=cache, use_cache=True).logits,
                          fullgraph=True, backend="eager")  # fmt: skip
