@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from builders import CLIENT_VARIANTS, VOCAB, delta_model, gpt2_model
+from test_delta_llama import TINY
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -37,20 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BATCH, LENGTH = 2, 8
 
-#: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA).
-LLAMA = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+LLAMA = TINY  # test_delta_llama's tiny Llama: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA)
 
 
 def llama_model() -> LlamaForCausalLM:
