@@ -633,6 +633,17 @@ class DeltaPreTrainedMixin:
     Delta initialisation. The family's base sets `layers_attribute` (its base model's list of layers)."""
 
     layers_attribute: str = "layers"
+    # transformers' `_keep_in_fp32_modules`: every quantizer (bitsandbytes 4 / 8 bit, ...) leaves these modules
+    # unquantized, and a float16 load keeps their checkpoint tensors in float32 (bf16 loads are unchanged). They are the
+    # precision-critical Delta parts: each residual (the gate `beta_proj` and its MLP form, `beta_open`, `v_proj`, the
+    # read `read_weights` / `read_conv`), the TC / CC read-out and EC convolutions. transformers matches each entry by
+    # `re.match` from the start of a module name (quantizers; or a suffix) and by `re.search` in a parameter name (the
+    # float16 plan): `.+\.` ties the names to a layer, so the sublayers' own `self_attn.v_proj`, `c_attn` still
+    # quantize. DeltaNet's beta projection (`attn.b_proj`, num_heads outputs) is kept out of quantization only: `$` ends
+    # at the module name, so no parameter name matches and it keeps the model's dtype, as the mixer computes it.
+    # Not `read_out`: a bare parameter, cast to the state's dtype where it is used, and the model's first parameter
+    # (`model.dtype`) when d_v > 1.
+    _keep_in_fp32_modules = [r".+\.(?:attn|mlp)_delta", r".+\.attn\.b_proj$", "read_out_conv", "embed_expand"]
 
     def __init__(self, config, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
