@@ -51,6 +51,9 @@ setup(
             "onnxruntime>=1.20",
             # tests/test_trl.py (SFTTrainer packed / unpacked, DPOTrainer); needs no torch of its own
             "trl>=1.16",
+            # tests/test_qlora.py, examples/qlora_finetune.py: 4- and 8-bit loading, on the CPU too (0.50.2 tested);
+            # needs torch>=2.4 and no torch of its own
+            "bitsandbytes>=0.50.2",
         ],
     },
     entry_points={
