@@ -13,6 +13,8 @@ processors needs (`N must be divisible by block_n`).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import bitsandbytes as bnb
@@ -291,6 +293,32 @@ def test_saved_quantized_model_reloads_with_the_same_modules(saved, quantization
     ids = random_ids(batch=2, length=12)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_hub_code_without_ddl_hf_keeps_the_delta_modules_too(saved):
+    """The declaration travels with the weights (delta_layers.py is one of the Hub files): a fresh process that
+    cannot import ddl_hf loads the saved model with trust_remote_code=True in 4 bits with the same modules kept."""
+    directory, _ = saved["llama_variants"]
+    script = (
+        "import sys, torch\n"
+        "sys.modules['ddl_hf'] = None  # the editable install would make it importable\n"
+        "from transformers import AutoModelForCausalLM, BitsAndBytesConfig\n"
+        "import bitsandbytes as bnb\n"
+        "bits = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, quantization_config=bits)\n"
+        "assert 'ddl_hf' not in type(model).__module__, type(model).__module__\n"
+        "quantized = sorted(n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit))\n"
+        "kept = [m for r in model.delta_residuals().values() for m in r.modules() if isinstance(m, torch.nn.Linear)]\n"
+        "assert kept and all(type(m) is torch.nn.Linear for m in kept)\n"
+        "print('QUANTIZED', ','.join(quantized))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", script, str(directory)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.split("QUANTIZED ")[1].split()[0]
+    assert set(printed.split(",")) == expected_quantized("llama_variants", saved["llama_variants"][1])
 
 
 @pytest.mark.slow
