@@ -39,6 +39,7 @@ from .delta_ops import (
     channel_conv_read,
     delta_gate,
     fused_delta_update,
+    residual_step,
     same_document_taps,
     straight_through_clamp,
     temporal_conv,
@@ -298,6 +299,15 @@ class DeltaResidual(nn.Module):
         """
         x = self.read(state, context, key) if read is None else read
         c, h = branch(x)
+        # A registered inference kernel (`ddl_hf.native`) does the update in one call where it applies; else None.
+        outputs = residual_step(self, state, x, c, h) or self.update(state, x, c, h)
+        return outputs if read_next is None else (*outputs, self.read(state, context, read_next))
+
+    def update(
+        self, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 2.5 after the branch: the gate beta, the value v and the write `X + beta k (v^T - k^T X)`. Returns the
+        new state and beta `[...]`."""
         with autocast_off(state.device.type):
             dtype = self.beta_open.dtype  # the model's float dtype, also when a quantizer replaced the Linears
             opening = at_least_float32(self.beta_open)
@@ -312,8 +322,7 @@ class DeltaResidual(nn.Module):
             state = fused_delta_update(state, h, beta, value, self.eps, self.additive, self.erase)
         # beta `[...]` as a tensor of its own, not a view of `[..., 1]` (a sum over one element: exact): FSDP2 warns
         # about views among a sharded block's outputs.
-        outputs = (state, beta.sum(-1))
-        return outputs if read_next is None else (*outputs, self.read(state, context, read_next))
+        return state, beta.sum(-1)
 
     @property
     def gate_output(self) -> nn.Linear:

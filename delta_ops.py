@@ -12,6 +12,7 @@ beside it (as fla keeps `naive.py` beside its kernels; the tests compare the two
 | CC read (channel conv, then the read vector) | `channel_conv_read` | `channel_conv(X, W) @ r` |
 | EC expansion of the embedding | `temporal_conv` | itself |
 | DeltaNet rule over time | `delta_rule_chunkwise` | `delta_rule_recurrent` |
+| a residual's gate, value and write, inference | `residual_step` (a kernel or None) | `DeltaResidual.update` |
 
 Optional kernels (the native CPU kernels of `ddl_hf.native`, any later GPU kernel) register with an entry point
 through `register_kernel`; the entry point runs a registered kernel where its `applies` says so and its own tensor
@@ -46,16 +47,20 @@ class DeltaKernel(NamedTuple):
       `_FusedDeltaUpdate.backward` define them.
     - `"tc_read"`: `forward(x, weight, past, same_document) -> read` and `backward(grad, x, weight, past,
       same_document, need_x, need_weight) -> (d_x, d_weight)`, as `_TemporalConvRead` defines them.
+    - `"residual_step"` (inference only, `backward` None): `forward(residual, state, x, c, h) -> (new_state, beta
+      [...]) or None`: a whole Delta residual after its branch, gate, value and write, as `DeltaResidual.update`
+      defines it (the reference); None where the kernel does not take this residual (its tensor ops then run).
 
     `applies(tensor) -> bool` says whether the kernel can take this op's inputs (device, dtype, not while compiling).
     """
 
     forward: Callable
-    backward: Callable
+    backward: Callable | None
     applies: Callable[[torch.Tensor], bool]
 
 
-KERNEL_OPS = ("delta_update", "tc_read")
+KERNEL_OPS = ("delta_update", "tc_read", "residual_step")
+INFERENCE_OPS = ("residual_step",)  # run only without autograd: no backward
 # One registry for every copy of this file: the package's, and each copy that transformers loads as Hub custom code
 # (`transformers_modules.<repo>.delta_ops`), so that a kernel registered through `ddl_hf` reaches those models too.
 _REGISTRY = "ddl_hf_delta_kernels"
@@ -71,7 +76,10 @@ def register_kernel(op: str, kernel: DeltaKernel | None) -> None:
         raise ValueError(f"register_kernel: unknown op {op!r}; the ops that take a kernel are {KERNEL_OPS}.")
     if kernel is None:
         _KERNELS.pop(op, None)
-    elif not all(callable(getattr(kernel, name, None)) for name in DeltaKernel._fields):
+    elif not all(
+        callable(getattr(kernel, name, None)) or (name == "backward" and op in INFERENCE_OPS)
+        for name in DeltaKernel._fields
+    ):
         raise TypeError(f"register_kernel: expected a DeltaKernel(forward, backward, applies), got {type(kernel)}.")
     else:
         _KERNELS[op] = kernel
@@ -319,6 +327,19 @@ def fused_delta_update(
     if kernel is not None:
         return kernel.forward(*_flat(state, branch_output, beta, value), eps, additive, erase)[0].view(state.shape)
     return _fused_delta_forward(state, branch_output, beta, value, eps, additive, erase)[0]
+
+
+def residual_step(
+    residual: nn.Module, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A registered "residual_step" kernel's `(new_state, beta)` for a Delta residual's gate, value and write after
+    its branch, or None: no kernel registered, it does not apply, autograd is recording, or it declines this residual.
+    The caller then runs the tensor ops (`DeltaResidual.update`, the reference). Inference only: one native call per
+    residual where the tensor ops make ~20 small ones, which is most of what a decoded token costs a Delta block."""
+    kernel = _KERNELS.get("residual_step")
+    if kernel is None or torch.is_grad_enabled() or not kernel.applies(state):
+        return None
+    return kernel.forward(residual, state, x, c, h)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -715,6 +736,7 @@ def delta_rule_chunkwise(
 
 
 __all__ = [
+    "INFERENCE_OPS",
     "KERNEL_OPS",
     "DeltaKernel",
     "channel_conv",
@@ -727,6 +749,7 @@ __all__ = [
     "fused_delta_update",
     "register_kernel",
     "registered_kernel",
+    "residual_step",
     "same_document_taps",
     "straight_through_clamp",
     "temporal_conv",

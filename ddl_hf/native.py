@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .delta_ops import KERNEL_OPS, DeltaKernel, register_kernel
 
@@ -87,14 +88,50 @@ def _applies(x: torch.Tensor) -> bool:
     )
 
 
+def _hooked(module: nn.Module | None) -> bool:
+    """Whether calling `module` would run more than its forward: its own forward hooks, or a forward replaced by a
+    wrapper (accelerate's `add_hook_to_module`, which offloading and device maps use)."""
+    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+
+
+def _residual_step(residual: nn.Module, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor):
+    """The "residual_step" kernel (`delta_ops.residual_step`): `(new_state, beta)`, or None where it does not take
+    this residual: a gate that is not one plain `nn.Linear` (the MLP gate, a quantized or LoRA-wrapped layer), a
+    value likewise, a hooked layer (its hooks would not run), or tensors not all on the CPU in the state's float32 /
+    float64 dtype (checked in the kernel)."""
+    gate, value = residual.beta_proj, residual.v_proj
+    if type(gate) is not nn.Linear or (value is not None and type(value) is not nn.Linear):
+        return None
+    if _hooked(gate) or _hooked(value):
+        return None
+    return _kernels.residual_step(
+        state,
+        c,
+        h,
+        x,
+        gate.weight,
+        gate.bias,
+        residual.beta_open,
+        None if value is None else value.weight,
+        None if value is None else value.bias,
+        residual.value_scale,
+        residual.value_constant,
+        residual.eps,
+        residual.additive,
+        residual.erase,
+    )
+
+
 def enable_native_kernels(verbose: bool = False) -> None:
     """Register the native kernels with `delta_ops`' entry points: every Delta update and TC read of every model in
-    this process runs them where they apply (`_applies`).
+    this process runs them where they apply (`_applies`), and, without autograd (generation), each Delta residual's
+    gate, value and update run as one call (`residual_step`).
 
     Raises `NativeKernelUnavailable` (naming what is missing) where they cannot be built."""
     kernels = load_training_kernels(verbose)
     register_kernel("delta_update", DeltaKernel(kernels.delta_update_forward, kernels.delta_update_backward, _applies))
     register_kernel("tc_read", DeltaKernel(kernels.tc_read_forward, kernels.tc_read_backward, _applies))
+    register_kernel("residual_step", DeltaKernel(_residual_step, None, _applies))
 
 
 def disable_native_kernels() -> None:

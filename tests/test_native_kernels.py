@@ -23,7 +23,16 @@ from builders import CLIENT_VARIANTS, VOCAB, delta_config, delta_model, scramble
 from test_delta_llama import build_source, to_delta
 from test_delta_llama import open_gates as llama_open_gates
 from test_delta_net_clients import packed_row
-from test_delta_residual import VALUE_FIELDS, VIEW_CASES, assert_one_token_matches_the_float64_reference, residual
+from test_delta_residual import (
+    VALUE_FIELDS,
+    VIEW_CASES,
+    assert_one_token_matches_the_float64_reference,
+    inputs,
+    read_of,
+    reference,
+    residual,
+    step,
+)
 from test_fused_delta import EPS, dense_reference, make_inputs
 from test_variants import variant_model
 
@@ -62,16 +71,21 @@ def kernels():
 
 
 class Counting:
-    """Calls of the registered kernels, by op and direction: `calls["delta_update_forward"]`, ..."""
+    """Calls of the registered kernels, by op and direction: `calls["delta_update_forward"]`, ...; a residual step
+    the kernel declined (returned None, the tensor ops ran) counts as `calls["residual_step_declined"]`."""
 
     def __init__(self):
         self.calls = collections.Counter()
 
     def wrap(self, op: str, kernel: DeltaKernel) -> DeltaKernel:
         def counted(direction, function):
+            if function is None:
+                return None
+
             def call(*args):
-                self.calls[f"{op}_{direction}"] += 1
-                return function(*args)
+                result = function(*args)
+                self.calls[f"{op}_{direction if result is not None else 'declined'}"] += 1
+                return result
 
             return call
 
@@ -173,6 +187,85 @@ def test_decoding_one_token_with_the_native_update_matches_the_float64_reference
     ablation and the stride-0 first state of an expanded model."""
     module = residual(d_v, mode, dtype, **fields)
     assert_one_token_matches_the_float64_reference(module, d_v, expanded_view, dtype)
+    assert spy.calls == {"residual_step_forward": 1}  # the gate, the value and the update in one call
+
+
+@pytest.mark.parametrize(("d_v", "mode"), [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")])
+@pytest.mark.parametrize("fields", VALUE_FIELDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_residual_step_over_many_rows_matches_the_float64_reference(spy, d_v, mode, fields, dtype):
+    """A prompt's residual without autograd (rows of two sequences) in one kernel call, against `reference`."""
+    module = residual(d_v, mode, dtype, **fields)
+    state, normed, h = inputs(d_v, dtype, shape=(2, 5), seed=11)
+    read = read_of(normed)
+    with torch.no_grad():
+        out, beta = step(module, state, normed, h, read)
+    assert spy.calls == {"residual_step_forward": 1}
+    expected, expected_beta = reference(module, state, normed, h, read)
+    assert out.shape == state.shape and out.dtype == dtype and beta.shape == state.shape[:2] and beta.dtype == dtype
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-6  # the float32 rounding of the tensors' values
+    torch.testing.assert_close(beta.double(), expected_beta, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("d_v", "mode"), [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")])
+def test_the_residual_step_at_beta_zero_is_gpt2_bit_for_bit(spy, d_v, mode):
+    module = residual(d_v, mode)
+    with torch.no_grad():
+        module.beta_open.fill_(0.0)
+    state, normed, h = inputs(d_v, shape=(1, 1), seed=8)
+    h = h * 1e3  # large enough that any rounding of the write would show
+    with torch.inference_mode():
+        out, beta = step(module, state, normed, h)
+    assert spy.calls == {"residual_step_forward": 1}
+    assert torch.equal(beta, torch.zeros(1, 1))
+    assert torch.equal(out, state + (h.unsqueeze(-1) if d_v > 1 else h) if mode == "additive" else state)
+
+
+class QuantizedLinear(torch.nn.Linear):
+    """A stand-in for a quantizer's or an adapter's layer: an nn.Linear subclass whose forward is its own."""
+
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def test_the_residual_step_declines_what_it_cannot_take_and_the_tensor_ops_run(spy, monkeypatch):
+    """Not a plain nn.Linear gate or value (the MLP gate, a quantized or LoRA layer), a hooked layer (its hooks must
+    run), a bf16 sublayer output: declined, and the residual gives the tensor ops' result. With autograd recording or
+    while compiling it is not called at all."""
+    state, normed, h = inputs(4, shape=(1, 1), seed=9)
+
+    def runs(module, *tensors) -> bool:
+        spy.calls.clear()
+        with torch.no_grad():
+            got = step(module, *tensors)
+        if spy.calls["residual_step_forward"] == 1:
+            return True
+        kernel = registered_kernel("residual_step")
+        register_kernel("residual_step", None)
+        try:
+            with torch.no_grad():
+                want = step(module, *tensors)
+        finally:
+            register_kernel("residual_step", kernel)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))  # declined: exactly what runs without it
+        return False
+
+    assert runs(residual(4, "paper"), state, normed, h)
+    assert not runs(residual(4, "paper", delta_gate="mlp"), state, normed, h)
+    quantized = residual(4, "paper")
+    quantized.v_proj.__class__ = QuantizedLinear
+    assert not runs(quantized, state, normed, h)
+    hooked = residual(4, "paper")
+    fired = []
+    hooked.beta_proj.register_forward_hook(lambda *args: fired.append(1))
+    assert not runs(hooked, state, normed, h) and fired
+    assert not runs(residual(4, "paper"), state, normed, h.bfloat16())
+    spy.calls.clear()
+    step(residual(4, "paper"), state, normed, h)  # autograd records: the update op (its own kernel) runs
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        step(residual(4, "paper"), state, normed, h)
     assert spy.calls == {"delta_update_forward": 1}
 
 
@@ -405,7 +498,8 @@ def test_a_model_generates_with_the_native_kernels_as_with_tensor_ops(spy, varia
                 calls.clear()
             fast = model.generate(ids, attention_mask=attention_mask, **settings)
         assert len(updates) >= 2 * model.config.n_layer * 7  # the prefill and 6 one-token steps
-        assert spy.calls == {"delta_update_forward": len(updates)} | ({"tc_read_forward": len(reads)} if reads else {})
+        # every residual of the prompt and of each step as one call: gate, value and update
+        assert spy.calls == {"residual_step_forward": len(updates)} | ({"tc_read_forward": len(reads)} if reads else {})
         assert torch.equal(fast.sequences, plain.sequences)
         torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
 
@@ -420,7 +514,8 @@ def test_delta_llama_decodes_with_the_native_kernels_as_with_tensor_ops(spy, fie
             plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
         fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
     residuals = len(model.delta_residuals())
-    assert spy.calls["delta_update_forward"] == 8 * residuals  # the prefill and 7 one-token steps
+    assert spy.calls["residual_step_forward"] == 8 * residuals  # the prefill and 7 one-token steps
+    assert spy.calls["delta_update_forward"] == 0
     assert spy.calls["tc_read_forward"] == (8 * len(tc_reads(model)) if fields else 0)
     assert torch.equal(fast.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
@@ -459,6 +554,7 @@ def test_registration_is_process_wide_reversible_and_attaches_nothing_to_a_model
         update, read = registered_kernel("delta_update"), registered_kernel("tc_read")
         assert (update.forward, update.backward) == (kernels.delta_update_forward, kernels.delta_update_backward)
         assert (read.forward, read.backward) == (kernels.tc_read_forward, kernels.tc_read_backward)
+        assert registered_kernel("residual_step").backward is None  # inference only
         spy = count_registered_kernels()
         built_after = variant_model(seed=1, **TC)
         with torch.no_grad():
@@ -466,7 +562,7 @@ def test_registration_is_process_wide_reversible_and_attaches_nothing_to_a_model
                 spy.calls.clear()
                 model(ids)
                 assert spy.calls == {
-                    "delta_update_forward": len(model.delta_residuals()),
+                    "residual_step_forward": len(model.delta_residuals()),
                     "tc_read_forward": len(tc_reads(model)),
                 }
         assert module_attributes(built_before) == attributes
@@ -492,7 +588,7 @@ def test_a_model_deep_copies_and_pickles_with_the_kernels_registered(spy, tmp_pa
     for twin in (loaded, copy.deepcopy(model)):
         spy.calls.clear()
         assert torch.equal(twin.generate(prompt, max_new_tokens=6, do_sample=False), expected)
-        assert spy.calls["delta_update_forward"] > 0 and spy.calls["tc_read_forward"] > 0
+        assert spy.calls["residual_step_forward"] > 0 and spy.calls["tc_read_forward"] > 0
 
 
 def test_a_model_loaded_as_hub_custom_code_uses_the_registered_kernels(spy, tmp_path):
@@ -518,8 +614,10 @@ def test_register_kernel_refuses_unknown_ops_and_other_objects():
     def forward(*args):
         raise AssertionError("never called")
 
-    with pytest.raises(ValueError, match=r"unknown op 'cc_read'.*\('delta_update', 'tc_read'\)"):
+    with pytest.raises(ValueError, match=r"unknown op 'cc_read'.*\('delta_update', 'tc_read', 'residual_step'\)"):
         register_kernel("cc_read", DeltaKernel(forward, forward, lambda x: True))
+    with pytest.raises(TypeError, match="expected a DeltaKernel"):  # only an inference op has no backward
+        register_kernel("delta_update", DeltaKernel(forward, None, lambda x: True))
     with pytest.raises(TypeError, match="expected a DeltaKernel"):
         register_kernel("delta_update", (forward, forward, lambda x: True))  # a plain tuple
     with pytest.raises(TypeError, match="expected a DeltaKernel"):

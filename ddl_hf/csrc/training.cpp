@@ -347,6 +347,111 @@ std::vector<at::Tensor> delta_update_backward(const at::Tensor& grad_out, const 
   return {grad_x, grad_h, grad_beta, grad_value};
 }
 
+// One Delta residual after its branch, for inference (delta_ops.residual_step; the reference is
+// DeltaResidual.update): per token n, the gate logit g = w_g . c + b_g and beta = 2 sigmoid(g) clamp(beta_open, 0, 1);
+// the value v = W_v c + b_v, or scale sigmoid(W_v x + b_v) of the un-normalised read x (sigmoid_value), or a
+// constant (no W_v); then the update above, X' = X + h s^T with s = r beta (v - r h^T X) (+ 1 in additive mode).
+// Decoding a token is per-call overhead in the tensor ops (~20 small calls per residual); here it is one. The sums
+// run in double precision; beta == 0 gives X + h (additive) or X (paper) bit for bit.
+template <typename T>
+void step_rows(const T* X, const T* c, const T* h, const T* xin, const T* wg, double bg, double rho, const T* wv,
+               const T* bv, bool sigmoid_value, double value_scale, double value_constant, double eps, bool additive,
+               bool erase, int64_t D, int64_t V, int64_t begin, int64_t end, T* out, T* beta_out) {
+  std::vector<double> hx(V), s(V);
+  for (int64_t n = begin; n < end; ++n) {
+    const T* __restrict__ xn = X + n * D * V;
+    const T* __restrict__ cn = c + n * D;
+    const T* __restrict__ hn = h + n * D;
+    const T* __restrict__ in = (sigmoid_value ? xin : c) + n * D;
+    double g = bg, hh = 0.0;
+#pragma omp simd reduction(+ : g, hh)
+    for (int64_t d = 0; d < D; ++d) {
+      g += static_cast<double>(wg[d]) * static_cast<double>(cn[d]);
+      hh += static_cast<double>(hn[d]) * static_cast<double>(hn[d]);
+    }
+    const double beta = 2.0 * (g >= 0 ? 1.0 / (1.0 + std::exp(-g)) : std::exp(g) / (1.0 + std::exp(g))) * rho;
+    const double r = 1.0 / std::sqrt(hh + eps * eps);
+    std::fill(hx.begin(), hx.end(), 0.0);  // h^T X over the value channels (the erase term)
+    if (erase && V == 1) {
+      double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < D; ++d) sum += static_cast<double>(hn[d]) * static_cast<double>(xn[d]);
+      hx[0] = sum;
+    } else if (erase) {
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t v = 0; v < V; ++v) hx[v] += static_cast<double>(hn[d]) * static_cast<double>(xn[d * V + v]);
+    }
+    for (int64_t v = 0; v < V; ++v) {
+      double value = static_cast<double>(static_cast<T>(value_constant));  // as a tensor of this dtype holds it
+      if (wv != nullptr) {
+        const T* __restrict__ wrow = wv + v * D;
+        double sum = bv != nullptr ? static_cast<double>(bv[v]) : 0.0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < D; ++d) sum += static_cast<double>(wrow[d]) * static_cast<double>(in[d]);
+        value = sigmoid_value ? value_scale / (1.0 + std::exp(-sum)) : sum;
+      }
+      s[v] = r * beta * (value - r * hx[v]) + (additive ? 1.0 : 0.0);  // exactly 1 (additive) or 0 at beta == 0
+    }
+    T* __restrict__ on = out + n * D * V;  // X' = X + h s^T, in the state's dtype
+    if (V == 1) {
+      const T s0 = static_cast<T>(s[0]);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) on[d] = xn[d] + s0 * hn[d];
+    } else {
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t v = 0; v < V; ++v) on[d * V + v] = xn[d * V + v] + static_cast<T>(s[v]) * hn[d];
+    }
+    beta_out[n] = static_cast<T>(beta);
+  }
+}
+
+bool on_cpu_as(const at::Tensor& t, at::ScalarType dtype) { return t.device().is_cpu() && t.scalar_type() == dtype; }
+bool on_cpu_as(const c10::optional<at::Tensor>& t, at::ScalarType dtype) { return !t || on_cpu_as(*t, dtype); }
+
+// (new state, beta [...]), or None where the kernel does not take these tensors (not all on the CPU in the state's
+// float32 / float64 dtype); the caller then runs the tensor ops. state [..., D] or [..., D, d_v], c, h and x [..., D];
+// the gate weight [1, D], the value weight [d_v, D] (None: the constant value); value_scale None: a linear value.
+py::object residual_step(const at::Tensor& state_in, const at::Tensor& c_in, const at::Tensor& h_in,
+                         const at::Tensor& x_in, const at::Tensor& gate_weight,
+                         const c10::optional<at::Tensor>& gate_bias, const at::Tensor& beta_open,
+                         const c10::optional<at::Tensor>& value_weight, const c10::optional<at::Tensor>& value_bias,
+                         c10::optional<double> value_scale, double value_constant, double eps, bool additive,
+                         bool erase) {
+  const auto dtype = state_in.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kDouble) || !on_cpu_as(state_in, dtype) || !on_cpu_as(c_in, dtype) ||
+      !on_cpu_as(h_in, dtype) || !on_cpu_as(x_in, dtype) || !on_cpu_as(gate_weight, dtype) ||
+      !on_cpu_as(gate_bias, dtype) || !on_cpu_as(beta_open, dtype) || !on_cpu_as(value_weight, dtype) ||
+      !on_cpu_as(value_bias, dtype))
+    return py::none();
+  const int64_t D = h_in.size(-1), N = h_in.numel() / D, V = N > 0 ? state_in.numel() / (N * D) : 1;
+  TORCH_CHECK(state_in.numel() == N * D * V && c_in.numel() == N * D && x_in.numel() == N * D,
+              "residual_step: the state must be [..., D] or [..., D, d_v] and c, h and x [..., D]");
+  TORCH_CHECK(gate_weight.numel() == D && beta_open.numel() == 1 && (!gate_bias || gate_bias->numel() == 1),
+              "residual_step: the gate must be a D -> 1 linear layer and beta_open one number");
+  TORCH_CHECK(!value_weight || (value_weight->numel() == D * V && (!value_bias || value_bias->numel() == V)),
+              "residual_step: the value must be a D -> d_v linear layer");
+  TORCH_CHECK(value_weight || !value_scale, "residual_step: a sigmoid value needs its weight");
+  const at::Tensor X = state_in.contiguous(), c = c_in.contiguous(), h = h_in.contiguous(), x = x_in.contiguous();
+  const at::Tensor wg = gate_weight.contiguous();
+  const c10::optional<at::Tensor> wv = value_weight ? c10::optional<at::Tensor>(value_weight->contiguous())
+                                                    : c10::nullopt;
+  const double scale = value_scale ? *value_scale : 0.0;
+  at::Tensor out = at::empty(state_in.sizes(), X.options());
+  at::Tensor beta = at::empty(h_in.sizes().slice(0, h_in.dim() - 1), X.options());
+  AT_DISPATCH_FLOATING_TYPES(dtype, "residual_step", [&] {
+    const double bg = gate_bias ? static_cast<double>(gate_bias->data_ptr<scalar_t>()[0]) : 0.0;
+    const double rho = std::min(std::max(static_cast<double>(beta_open.data_ptr<scalar_t>()[0]), 0.0), 1.0);
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      step_rows<scalar_t>(X.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
+                          x.data_ptr<scalar_t>(), wg.data_ptr<scalar_t>(), bg, rho,
+                          wv ? wv->data_ptr<scalar_t>() : nullptr,
+                          value_bias ? value_bias->data_ptr<scalar_t>() : nullptr, value_scale.has_value(), scale,
+                          value_constant, eps,
+                          additive, erase, D, V, begin, end, out.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>());
+    });
+  });
+  return py::make_tuple(out, beta);
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -354,4 +459,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_update_backward", &delta_update_backward, "The fused Delta update, backward (one pass over the state)");
   m.def("tc_read_forward", &tc_read_forward, "TC read, forward (one pass over the state)");
   m.def("tc_read_backward", &tc_read_backward, "TC read, backward (one pass over the state)");
+  m.def("residual_step", &residual_step, "A Delta residual's gate, value and update, inference (one call)");
 }
