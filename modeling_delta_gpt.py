@@ -2,8 +2,9 @@
 
 Deep Delta Learning (Zhang, Liu, Wang, Gu; arXiv 2601.00417) replaces the identity shortcut `X + F(X)` with the
 Delta Operator `A = I - beta k k^T` and a synchronous rank-1 write: `X' = A X + beta k v^T` (`DeltaResidual`, in
-`delta_layers.py`). GPT-2's own attention and MLP (`GPT2Attention`, `GPT2MLP`) are the sublayers, so every attention
-backend, the `Conv1D` weights and GPT-2's parameter names carry over; only the Delta parameters are new.
+`delta_layers.py`). GPT-2's own attention and MLP are the sublayers (`GPT2MLP`, and `DeltaGPTAttention`: `GPT2Attention`
+with its output reshaped as Llama's, for vLLM), so every attention backend, the `Conv1D` weights and GPT-2's
+parameter names carry over; only the Delta parameters are new.
 
 Reads top to bottom like `modeling_gpt2.py`: the block, the pretrained base, the model and its heads. The Delta
 layers live in `delta_layers.py`, the DeltaNet token mixer in `delta_net.py`, the math in `delta_ops.py`.
@@ -44,8 +45,8 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import PreTrainedModel
-from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention, eager_attention_forward
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
@@ -66,6 +67,50 @@ from .delta_layers import (
 from .delta_net import NO_CACHE_ROLLBACK, DeltaNetAttention, DeltaNetCache, require_delta_net_cache
 
 
+class DeltaGPTAttention(GPT2Attention):
+    """GPT-2's self-attention: `GPT2Attention`'s parameters, initialisation and math, bit for bit (its own eager
+    `reorder_and_upcast_attn` path included). One line differs: the attention output is reshaped by the input's
+    shape, `reshape(*input_shape, -1)`, as the Llama-family attentions do, instead of by the output's own leading
+    dimensions. An attention backend that returns `[tokens, heads * head_dim]` (vLLM's Transformers backend does)
+    then works too; `GPT2Attention` flattens such an output to one dimension (docs/serving.md). DeltaGPT is
+    decoder-only (no cross-attention), so only the self-attention path is here."""
+
+    @takes_cache
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs.pop("output_attentions", None)  # GPT2Attention's flag: the weights are always returned
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
+        query, key, value = (x.view(hidden_shape).transpose(1, 2) for x in (query, key, value))
+        if cache is not None:  # as GPT2Attention up to 5.23; 5.24's also passes `kwargs=`, which no cache layer reads
+            key, value = cache.update(key, value, self.layer_idx)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        if self.config._attn_implementation == "eager" and self.reorder_and_upcast_attn:
+            attn_output, attn_weights = self._upcast_and_reordered_attn(query, key, value, attention_mask)
+        else:
+            attn_output, attn_weights = attention_interface(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=self.attn_dropout.p if self.training else 0.0,
+                scaling=self.scaling,
+                **kwargs,
+            )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.resid_dropout(self.c_proj(attn_output)), attn_weights
+
+
 class DeltaGPTBlock(GradientCheckpointingLayer):
     """GPT-2 block (pre-norm attention then MLP) whose two residual connections are Delta residuals."""
 
@@ -80,7 +125,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         if config.token_mixer == "delta_net":
             self.attn = DeltaNetAttention(config=config, layer_idx=layer_idx)
         else:
-            self.attn = GPT2Attention(config=config, layer_idx=layer_idx)
+            self.attn = DeltaGPTAttention(config=config, layer_idx=layer_idx)
         self.attn_delta = DeltaResidual(config)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config)
@@ -147,7 +192,9 @@ class DeltaGPTPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
         "attentions": OutputRecorder(GPT2Attention, layer_name=".attn", index=1),
         "betas": [OutputRecorder(DeltaGPTBlock, index=1), OutputRecorder(DeltaGPTBlock, index=2)],
     }
-    _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]
+    # Old GPT-2 checkpoints' causal-mask buffers (`h.0.attn.bias`, `h.0.attn.masked_bias`), anchored: vLLM's
+    # Transformers backend drops every weight these patterns `search`, and "attn.bias" also finds `c_attn.bias`.
+    _keys_to_ignore_on_load_unexpected = [r"(^|\.)attn\.bias$", r"(^|\.)attn\.masked_bias$"]
 
     def __init__(self, config: DeltaGPTConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)

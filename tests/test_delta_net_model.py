@@ -52,7 +52,7 @@ def test_heads_that_do_not_divide_the_width_need_an_explicit_head_dim():
 
 def test_attention_is_the_default_mixer():
     assert DeltaGPTConfig().token_mixer == "attention"
-    assert type(delta_model(DELTA_NET, token_mixer="attention").transformer.h[0].attn).__name__ == "GPT2Attention"
+    assert type(delta_model(DELTA_NET, token_mixer="attention").transformer.h[0].attn).__name__ == "DeltaGPTAttention"
     assert isinstance(delta_model(DELTA_NET).transformer.h[0].attn, DeltaNetAttention)
 
 
