@@ -33,6 +33,7 @@ from .delta_compat import check_checkpoint_format, hidden_states_indices, was_lo
 # isort: split
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.configuration_utils import PreTrainedConfig
 
 from .delta_ops import (
     at_least_float32,
@@ -636,6 +637,42 @@ class DeltaSite(NamedTuple):
     norm: nn.Module
 
 
+#: `config._attn_implementation` under the serving engines' Transformers backends, which run the model with every
+#: scheduled sequence packed into one row and no cache, so nothing carries over from one decoding step to the next
+#: (vLLM: "vllm", "vllm_mla"; SGLang: "sglang", the same contract, not tested here). docs/serving.md.
+SERVING_ENGINES = {"vllm": "vLLM", "vllm_mla": "vLLM", "sglang": "SGLang"}
+
+
+def state_across_tokens(config: PreTrainedConfig) -> list[str]:
+    """The settings of `config` that carry state from one token to the next (TC, EC, the DeltaNet mixer): what a
+    cache must keep between decoding steps. Empty for every other variant."""
+    settings = []
+    if config.delta_state_read == "temporal_conv":
+        settings.append("delta_state_read='temporal_conv' (TC)")
+    if config.delta_embed_expand == "conv":
+        settings.append("delta_embed_expand='conv' (EC)")
+    if getattr(config, "token_mixer", "attention") == "delta_net":
+        settings.append("token_mixer='delta_net' (DeltaNet)")
+    return settings
+
+
+def refuse_state_across_tokens_in_serving_engines(config: PreTrainedConfig) -> None:
+    """One ValueError, while the engine builds the model, for a variant with state across tokens under a serving
+    engine's Transformers backend: its tokens would differ from `generate`'s without an error. Nothing elsewhere."""
+    engine = SERVING_ENGINES.get(getattr(config, "_attn_implementation", None))
+    settings = state_across_tokens(config)
+    if engine is None or not settings:
+        return
+    name = type(config).__name__.removesuffix("Config")
+    raise ValueError(
+        f"{name} with {' and '.join(settings)} carries state across tokens, which {engine}'s Transformers backend "
+        "does not keep between decoding steps (it runs the model without a cache), so its tokens would differ from "
+        "generate's: refused. Serve this model with transformers (generate, pipeline), or serve a variant without "
+        "state across tokens (delta_state_read='linear' or 'channel_conv', delta_embed_expand='repeat', "
+        "token_mixer='attention'); see ddl-hf's docs/serving.md."
+    )
+
+
 class DeltaPreTrainedMixin:
     """What every Delta model's `PreTrainedModel` base adds: the one place that says which modules and parameters are
     Delta (conversion, export, DeltaTrainer, DeltaStatsCallback and `ddl-hf inspect` all ask these methods), and the
@@ -656,7 +693,8 @@ class DeltaPreTrainedMixin:
 
     def __init__(self, config, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        if config.delta_temporal or getattr(config, "token_mixer", "attention") == "delta_net":
+        refuse_state_across_tokens_in_serving_engines(self.config)
+        if state_across_tokens(config):
             # transformers' capability flag, per instance (it depends on the variant): the convolution windows and the
             # DeltaNet state have no static cache, so transformers' compiled generation cannot run; tools and tests
             # that read the flag skip it up front (the refusal in `_prepare_cache_for_generation` stays).
