@@ -301,8 +301,8 @@ class DeltaResidual(nn.Module):
         x = self.read(state, context, key) if read is None else read
         c, h = branch(x)
         # A registered inference kernel (`ddl_hf.native`) does the update in one call where it applies; else None.
-        outputs = residual_step(self, state, x, c, h) or self.update(state, x, c, h)
-        return outputs if read_next is None else (*outputs, self.read(state, context, read_next))
+        state, beta = residual_step(self, state, x, c, h) or self.update(state, x, c, h)
+        return (state, beta) if read_next is None else (state, beta, self.read(state, context, read_next))
 
     def update(
         self, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor
