@@ -1,0 +1,110 @@
+"""Another version of the model code against this one, side by side in one process: the same DeltaGPT (same config,
+same weights), its training step and batch-1 decoding timed in interleaved pairs, with the A/A noise floor.
+
+For a change that moved a ratio of `bench_overhead.py` between two runs on a shared machine: were the runs apart, or
+the code? The other version's Hub files are loaded as transformers loads Hub custom code, from a checkout:
+
+    git worktree add /tmp/before b72347a
+    python benchmarks/bench_code_versions.py --code /tmp/before --shape small --value-channels 4 --mode additive
+
+Writes `benchmarks/results/code_versions.{json,md}` (`--name`). Ratios are this code / the other code (below 1: this
+code is faster), process CPU time, median of per-pair ratios; the A/A row times the other code against a copy of
+itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_state, provenance, write_results
+from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_step_fn
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def other_version(code: Path, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` rebuilt with the classes of the Hub files in `code`, with the same config and weights."""
+    config_class = get_class_from_dynamic_module("configuration_delta_gpt.DeltaGPTConfig", str(code))
+    model_class = get_class_from_dynamic_module("modeling_delta_gpt.DeltaGPTForCausalLM", str(code))
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("auto_map", "architectures")}
+    config = config_class(**fields)
+    config._attn_implementation = model.config._attn_implementation
+    other = model_class(config)
+    other.load_state_dict(model.state_dict(), strict=True)
+    return other
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--code", type=Path, required=True, help="a checkout holding the other version's Hub files")
+    parser.add_argument("--shape", choices=[s for s, v in SHAPES.items() if v.get("arch") != "llama"], default="small")
+    parser.add_argument("--value-channels", type=int, default=4)
+    parser.add_argument("--mode", choices=["additive", "paper"], default="additive")
+    parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--gen-pairs", type=int, default=5)
+    parser.add_argument("--gen-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--name", default="code_versions")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    prov = provenance(None if argv is None else [__file__, *argv])
+
+    shape = SHAPES[args.shape]
+    mine = build_pair(shape, args.value_channels, args.mode)[1]
+    theirs = other_version(args.code, mine)
+    twin = copy.deepcopy(theirs)
+    ids = torch.randint(
+        0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(1)
+    )
+    prompt = ids[:1, :16]
+    rows = {}
+    for label, a, b in (("other vs other (A/A)", theirs, twin), ("other vs this", theirs, mine)):
+        step_a, _ = train_step_fn(a, ids)
+        step_b, _ = train_step_fn(b, ids)
+        train = interleaved(step_a, step_b, args.pairs)
+        for model in (a, b):
+            model.eval()
+        decode = interleaved(
+            generate_fn(a, prompt, args.gen_tokens), generate_fn(b, prompt, args.gen_tokens), args.gen_pairs
+        )
+        rows[label] = {"train_step": train, "generation_b1": decode}
+        print(
+            f"{label}: train {train['ratio']:.3f} [{train['ratio_min']:.3f}, {train['ratio_max']:.3f}]  "
+            f"gen1 {decode['ratio']:.3f} [{decode['ratio_min']:.3f}, {decode['ratio_max']:.3f}]",
+            flush=True,
+        )
+    results = {
+        "provenance": prov,
+        "other_commit": git_state(args.code)["commit"] or "unknown",
+        "shape": args.shape,
+        "value_channels": args.value_channels,
+        "mode": args.mode,
+        "rows": rows,
+    }
+    lines = [
+        f"This commit against `{results['other_commit']}` (its Hub files, the same weights): shape {args.shape}, "
+        f"d_v = {args.value_channels}, {args.mode}; {args.pairs} training pairs, {args.gen_pairs} decoding pairs. "
+        "Ratio B / A of process CPU time, median [smallest, largest single pair]:",
+        "",
+        "| A | B | train step | gen/token b=1 |",
+        "|---|---|---|---|",
+    ]
+    for label, row in rows.items():
+        cells = [f"{r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]" for r in row.values()]
+        lines.append(f"| {label.replace(' vs ', ' | ')} | {' | '.join(cells)} |")
+    write_results(args.out, args.name, results, "\n".join(lines) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
