@@ -1,6 +1,6 @@
 """Optional native CPU kernels for the Delta ops: the fused Delta update and the TC read, each in one pass over the
-state, forward and backward (`csrc/training.cpp`), where the tensor ops make several (docs/performance.md has what
-they save).
+state, forward and backward, and a residual's whole inference step (gate, value, update) in one call
+(`csrc/training.cpp`), where the tensor ops make several (docs/performance.md has what they save).
 
 They register with the ops' entry points in `delta_ops` (`register_kernel`), process-wide, and run where they apply:
 CPU float32 / float64 tensors outside compile, export and jit tracing; everywhere else the tensor ops run. The model

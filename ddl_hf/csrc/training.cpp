@@ -1,5 +1,5 @@
-// Native kernels for training and full-sequence forwards (ddl_hf.native.enable_native_training): the fused Delta
-// update and the TC read, each in one pass over the state, forward and backward.
+// Native kernels (ddl_hf.native.enable_native_kernels): the fused Delta update and the TC read, each in one pass over
+// the state, forward and backward; and, at the end, a residual's inference step (residual_step).
 //
 // The Delta update: the same math as delta_ops._fused_delta_forward and _FusedDeltaUpdate.backward. Per token, with
 // X [D, d_v], h [D], beta, v [d_v]: r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode;
