@@ -1,0 +1,233 @@
+"""One cached decoding step of DeltaGPT against GPT-2 of the same shape and weights, with an A/A twin: the model's own
+share of `bench_overhead`'s batch-1 generation ratio, measured closely enough to tell 1.05 from 1.08.
+
+`bench_overhead` times whole `generate` calls (15 pairs); their medians move by ~0.04 between runs on a shared
+machine. Here each model is prefilled once, then one token is decoded over and over from the same cache (the cache is
+cropped back after each step, so the context length stays fixed): hundreds of ~40 ms steps, the three models
+(GPT-2, a deep copy of it, DeltaGPT) in a rotating order so that each holds each position equally often. Times are
+process CPU seconds with one torch thread (as in `bench_overhead`). Reported per variant: each model's median step,
+the median of the per-round ratios Delta / GPT-2 with a distribution-free 95% interval (order statistics of the
+binomial), the same for the A/A twin, and the median per-round difference in milliseconds.
+
+`--profile` adds where the difference goes: torch.profiler's self CPU time per operator, per step, Delta minus GPT-2,
+largest first (profiling adds its own per-op cost to both; read it as a breakdown, not as the ratio).
+
+    python benchmarks/bench_decode_step.py                       # GPT-2-small, native kernels, the four base rows
+    python benchmarks/bench_decode_step.py --profile --variants 4:additive
+    python benchmarks/bench_decode_step.py --quick               # tiny shape, a few seconds (tested)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from scipy import stats
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import provenance, write_results
+from bench_overhead import SHAPES, build_pair
+
+from ddl_hf.delta_compat import cache_argument, cache_of
+from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
+
+MODELS = ("gpt2", "twin", "delta")
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median: order statistics j < k with P(X_(j) <= median <= X_(k)) >= level
+    (the binomial(n, 1/2) count of values below the median)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    j = int(stats.binom.ppf((1 - level) / 2, n, 0.5))  # 1-based rank of the lower bound, then the symmetric upper
+    j = max(j, 1)
+    return ordered[j - 1], ordered[n - j]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    low, high = median_interval(values)
+    return {"median": statistics.median(values), "ci_low": low, "ci_high": high}
+
+
+class Stepper:
+    """A model prefilled once; `step()` decodes the prompt's last token again from that cache and crops it back."""
+
+    def __init__(self, model: torch.nn.Module, prompt: torch.Tensor):
+        self.model = model.eval()
+        self.length = prompt.shape[1]
+        with torch.inference_mode():
+            self.cache = cache_of(model(prompt, use_cache=True))
+        self.token = prompt[:, -1:]
+        self.position = torch.tensor([[self.length]])
+
+    def step(self) -> torch.Tensor:
+        """The next-token logits after the prompt's last token, decoded again."""
+        with torch.inference_mode():
+            out = self.model(self.token, position_ids=self.position, use_cache=True, **cache_argument(self.cache))
+        self.cache.crop(-1)  # remove the token just written (a negative count: every transformers version)
+        return out.logits
+
+
+def time_rounds(steppers: dict[str, Stepper], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Process CPU seconds of each model's step, one step each per round, the order cycling through every
+    permutation of the models."""
+    orders = list(itertools.permutations(steppers))
+    for _ in range(warmup):
+        for s in steppers.values():
+            s.step()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for i in range(rounds):
+        for name in orders[i % len(orders)]:
+            start = time.process_time()
+            steppers[name].step()
+            times[name].append(time.process_time() - start)
+    return times
+
+
+def op_breakdown(steppers: dict[str, Stepper], steps: int, top: int) -> list[dict]:
+    """Self CPU microseconds per step of each operator, Delta minus GPT-2, largest absolute difference first; first
+    the step's whole process CPU time under the profiler and its part outside every operator (Python, module calls,
+    argument handling). One unrecorded pass each first: the profiler's own first-use cost."""
+    per_op: dict[str, dict[str, float]] = defaultdict(lambda: {"gpt2": 0.0, "delta": 0.0})
+    whole = {}
+    for recorded in (False, True):
+        for name in ("gpt2", "delta"):
+            start = time.process_time()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    steppers[name].step()
+            whole[name] = (time.process_time() - start) / steps * 1e6
+            if recorded:
+                for event in prof.key_averages():
+                    per_op[event.key][name] += event.self_cpu_time_total / steps
+    rows = [
+        {"op": op, "gpt2_us": t["gpt2"], "delta_us": t["delta"], "diff_us": t["delta"] - t["gpt2"]}
+        for op, t in per_op.items()
+    ]
+    in_ops = {k: sum(r[k] for r in rows) for k in ("gpt2_us", "delta_us")}
+    step = {"gpt2_us": whole["gpt2"], "delta_us": whole["delta"]}
+    outside = {k: step[k] - in_ops[k] for k in step}
+    summary_rows = [
+        {"op": "(whole step, under the profiler)", **step, "diff_us": step["delta_us"] - step["gpt2_us"]},
+        {"op": "(inside operators)", **in_ops, "diff_us": in_ops["delta_us"] - in_ops["gpt2_us"]},
+        {"op": "(outside operators)", **outside, "diff_us": outside["delta_us"] - outside["gpt2_us"]},
+    ]
+    return [*summary_rows, *sorted(rows, key=lambda r: -abs(r["diff_us"]))[:top]]
+
+
+def bench(shape_name: str, value_channels: int, mode: str, args: argparse.Namespace) -> dict:
+    shape = SHAPES[shape_name]
+    gpt2, delta = build_pair(shape, value_channels, mode)
+    twin = copy.deepcopy(gpt2)
+    prompt = torch.randint(0, shape["vocab_size"], (1, args.context), generator=torch.Generator().manual_seed(1))
+    steppers = {name: Stepper(m, prompt) for name, m in zip(MODELS, (gpt2, twin, delta))}
+    times = time_rounds(steppers, args.rounds, args.warmup)
+    row = {
+        "shape": shape_name,
+        "value_channels": value_channels,
+        "mode": mode,
+        "rounds": args.rounds,
+        "context": args.context,
+        "step_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+        "ratio": summary([d / g for d, g in zip(times["delta"], times["gpt2"])]),
+        "aa_ratio": summary([t / g for t, g in zip(times["twin"], times["gpt2"])]),
+        "diff_ms": summary([(d - g) * 1e3 for d, g in zip(times["delta"], times["gpt2"])]),
+    }
+    if args.profile:
+        row["ops"] = op_breakdown(steppers, args.profile_steps, args.top)
+    return row
+
+
+def fmt(s: dict, digits: int = 3) -> str:
+    return f"{s['median']:.{digits}f} [{s['ci_low']:.{digits}f}, {s['ci_high']:.{digits}f}]"
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "One cached decoding step (batch 1, the context length fixed by cropping the cache back), DeltaGPT and an A/A",
+        "copy of GPT-2 against GPT-2, process CPU time, "
+        f"{'native kernels on' if results['native'] else 'tensor ops (no native kernels)'}. "
+        "Medians of per-round ratios with a distribution-free 95% interval.",
+        "",
+        "| shape | d_v | mode | GPT-2 ms | A/A ms | Delta ms | Delta / GPT-2 | A/A | Delta − GPT-2 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        ms = r["step_ms"]
+        lines.append(
+            f"| {r['shape']} | {r['value_channels']} | {r['mode']} | {ms['gpt2']:.2f} | {ms['twin']:.2f} | "
+            f"{ms['delta']:.2f} | {fmt(r['ratio'])} | {fmt(r['aa_ratio'])} | {fmt(r['diff_ms'], 2)} |"
+        )
+    for r in results["rows"]:
+        if "ops" not in r:
+            continue
+        lines += [
+            "",
+            f"Where the difference goes, {r['shape']} d_v = {r['value_channels']} {r['mode']}: self CPU µs per step "
+            "under torch.profiler, largest differences first.",
+            "",
+            "| operator | GPT-2 µs | Delta µs | Delta − GPT-2 µs |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| `{o['op']}` | {o['gpt2_us']:.1f} | {o['delta_us']:.1f} | {o['diff_us']:+.1f} |" for o in r["ops"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_variant(text: str) -> tuple[int, str]:
+    value_channels, _, mode = text.partition(":")
+    if not value_channels.isdigit() or mode not in ("additive", "paper"):
+        raise argparse.ArgumentTypeError(f"a variant is D_V:MODE, MODE additive or paper (4:paper); got {text!r}")
+    return int(value_channels), mode
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shape, few rounds (seconds)")
+    parser.add_argument("--shape", choices=[s for s, v in SHAPES.items() if v.get("arch") != "llama"])
+    parser.add_argument("--variants", nargs="+", type=parse_variant, help="D_V:MODE ... (default: 1 and 4, both modes)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (one step of each model per round)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--context", type=int, default=64, help="prompt length the step decodes after")
+    parser.add_argument("--native", action=argparse.BooleanOptionalAction, default=True, help="ddl_hf.native kernels")
+    parser.add_argument("--profile", action="store_true", help="add the per-operator breakdown")
+    parser.add_argument("--profile-steps", type=int, default=50)
+    parser.add_argument("--top", type=int, default=15, help="operators listed in the breakdown")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default=None, help="basename of the result files (default: decode_step[_quick])")
+    args = parser.parse_args(argv)
+    args.shape = args.shape or ("tiny" if args.quick else "gpt2-small")
+    args.rounds = args.rounds or (12 if args.quick else 300)
+    if args.quick:
+        args.warmup, args.profile_steps = 1, 3
+    variants = args.variants or [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
+    torch.set_num_threads(args.threads)
+    prov = provenance(None if argv is None else [__file__, *argv])
+    if args.native:
+        problem = native_build_problem()
+        if problem:
+            raise SystemExit(f"bench_decode_step: the native kernels do not build here ({problem}); use --no-native")
+        enable_native_kernels()
+    else:
+        disable_native_kernels()
+    rows = []
+    for value_channels, mode in variants:
+        row = bench(args.shape, value_channels, mode, args)
+        print(f"bench_decode_step: d_v={value_channels} {mode}: {fmt(row['ratio'])}, A/A {fmt(row['aa_ratio'])}")
+        rows.append(row)
+    results = {"provenance": prov, "native": args.native, "rows": rows}
+    name = args.name or ("decode_step_quick" if args.quick else "decode_step")
+    write_results(args.out, name, results, markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""benchmarks/bench_decode_step.py: one cached decoding step, timed against GPT-2 and an A/A twin."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_decode_step as bench  # noqa: E402
+from bench_overhead import SHAPES, build_pair  # noqa: E402
+
+
+@pytest.mark.parametrize("value_channels", [1, 4])
+def test_every_step_decodes_the_same_token_from_the_same_context(value_channels):
+    """The step is what generation runs after the prompt, again and again: GPT-2's and DeltaGPT's logits equal those
+    of a full forward over the prompt and the token, and the cache is back at the prompt's length after each step."""
+    prompt = torch.randint(0, SHAPES["tiny"]["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(2))
+    for model in build_pair(SHAPES["tiny"], value_channels, "paper"):
+        stepper = bench.Stepper(model, prompt)
+        first, second = stepper.step(), stepper.step()
+        assert stepper.cache.get_seq_length() == prompt.shape[1]
+        with torch.no_grad():
+            full = model(torch.cat([prompt, prompt[:, -1:]], dim=1)).logits[:, -1:]
+        assert torch.equal(first, second)
+        torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [12, 51, 300])
+def test_the_median_interval_is_the_tightest_with_95_percent_coverage(n):
+    """Ranks j and n + 1 - j cover the median with probability 1 - 2 P(Binomial(n, 1/2) < j): at least 0.95, and not
+    at rank j + 1."""
+    low, high = bench.median_interval([float(i) for i in range(1, n + 1)])
+    j = int(low)
+    assert high == n + 1 - j
+    coverage = 1 - 2 * stats.binom.cdf(j - 1, n, 0.5)
+    assert coverage >= 0.95 > 1 - 2 * stats.binom.cdf(j, n, 0.5)
+
+
+@pytest.mark.slow
+def test_a_quick_run_writes_every_row_with_its_breakdown_and_provenance(tmp_path):
+    bench.main(["--quick", "--variants", "1:additive", "4:paper", "--profile", "--no-native", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "decode_step_quick.json").read_text())
+    assert results["provenance"]["command"].startswith("python benchmarks/bench_decode_step.py --quick")
+    assert [(r["value_channels"], r["mode"]) for r in results["rows"]] == [(1, "additive"), (4, "paper")]
+    for row in results["rows"]:
+        assert row["ratio"]["ci_low"] <= row["ratio"]["median"] <= row["ratio"]["ci_high"]
+        assert set(row["step_ms"]) == {"gpt2", "twin", "delta"}
+        whole, inside, outside = row["ops"][:3]
+        assert outside["delta_us"] == pytest.approx(whole["delta_us"] - inside["delta_us"])
+    text = (tmp_path / "decode_step_quick.md").read_text()
+    assert "| tiny | 4 | paper |" in text and "Where the difference goes" in text
+
+
+def test_a_variant_is_d_v_and_mode():
+    assert bench.parse_variant("4:paper") == (4, "paper")
+    with pytest.raises(Exception, match="D_V:MODE"):
+        bench.parse_variant("4-paper")
