@@ -10,7 +10,9 @@ the median of the per-round ratios Delta / GPT-2 with a distribution-free 95% in
 binomial), the same for the A/A twin, and the median per-round difference in milliseconds.
 
 `--profile` adds where the difference goes: torch.profiler's self CPU time per operator, per step, Delta minus GPT-2,
-largest first (profiling adds its own per-op cost to both; read it as a breakdown, not as the ratio).
+largest first, the two models profiled in alternating chunks (profiling adds its own per-op cost to both, and the
+large matmuls' times move by several percent between chunks; read it as a breakdown of the small operators and of
+the time outside operators, not as the ratio).
 
     python benchmarks/bench_decode_step.py                       # GPT-2-small, native kernels, the four base rows
     python benchmarks/bench_decode_step.py --profile --variants 4:additive
@@ -92,22 +94,25 @@ def time_rounds(steppers: dict[str, Stepper], rounds: int, warmup: int) -> dict[
     return times
 
 
-def op_breakdown(steppers: dict[str, Stepper], steps: int, top: int) -> list[dict]:
+def op_breakdown(steppers: dict[str, Stepper], steps: int, top: int, chunk: int = 10) -> list[dict]:
     """Self CPU microseconds per step of each operator, Delta minus GPT-2, largest absolute difference first; first
     the step's whole process CPU time under the profiler and its part outside every operator (Python, module calls,
-    argument handling). One unrecorded pass each first: the profiler's own first-use cost."""
+    argument handling). The two models are profiled in alternating chunks of `chunk` steps (drift cancels, as in the
+    timed rounds), after one unrecorded chunk each (the profiler's own first-use cost)."""
     per_op: dict[str, dict[str, float]] = defaultdict(lambda: {"gpt2": 0.0, "delta": 0.0})
-    whole = {}
-    for recorded in (False, True):
-        for name in ("gpt2", "delta"):
+    whole = {"gpt2": 0.0, "delta": 0.0}
+    chunks = max(1, steps // chunk)
+    for i in range(chunks + 1):
+        for name in ("gpt2", "delta") if i % 2 == 0 else ("delta", "gpt2"):
             start = time.process_time()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(steps):
+                for _ in range(chunk):
                     steppers[name].step()
-            whole[name] = (time.process_time() - start) / steps * 1e6
-            if recorded:
-                for event in prof.key_averages():
-                    per_op[event.key][name] += event.self_cpu_time_total / steps
+            if i == 0:
+                continue
+            whole[name] += (time.process_time() - start) * 1e6 / (chunks * chunk)
+            for event in prof.key_averages():
+                per_op[event.key][name] += event.self_cpu_time_total / (chunks * chunk)
     rows = [
         {"op": op, "gpt2_us": t["gpt2"], "delta_us": t["delta"], "diff_us": t["delta"] - t["gpt2"]}
         for op, t in per_op.items()
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=64, help="prompt length the step decodes after")
     parser.add_argument("--native", action=argparse.BooleanOptionalAction, default=True, help="ddl_hf.native kernels")
     parser.add_argument("--profile", action="store_true", help="add the per-operator breakdown")
-    parser.add_argument("--profile-steps", type=int, default=50)
+    parser.add_argument("--profile-steps", type=int, default=100, help="profiled steps per model, in chunks of 10")
     parser.add_argument("--top", type=int, default=15, help="operators listed in the breakdown")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.shape = args.shape or ("tiny" if args.quick else "gpt2-small")
     args.rounds = args.rounds or (12 if args.quick else 300)
     if args.quick:
-        args.warmup, args.profile_steps = 1, 3
+        args.warmup, args.profile_steps = 1, 20
     variants = args.variants or [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
     torch.set_num_threads(args.threads)
     prov = provenance(None if argv is None else [__file__, *argv])
