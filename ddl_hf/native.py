@@ -81,7 +81,7 @@ def _build(name: str, source: Path, unavailable: str, verbose: bool) -> Any:
 def _applies(x: torch.Tensor) -> bool:
     """CPU float32 / float64, outside compile, export and jit tracing (an opaque extension call cannot be traced)."""
     return (
-        x.device.type == "cpu"
+        x.is_cpu  # not `x.device.type == "cpu"`: the same answer without building a device object
         and x.dtype in (torch.float32, torch.float64)
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
