@@ -1,15 +1,15 @@
 """The optional native kernels (`ddl_hf.native.enable_native_kernels`) against independent references.
 
-The kernels stand in for the tensor ops of two entry points, forward and backward, so they are held to the same
-contracts. The Delta update (`fused_delta_update`): the dense A = I - beta k k^T reference and the tensor ops in
-float64 (values, gradients, `gradcheck`), GPT-2's bits at beta = 0, one decoded token against the float64 reference.
-The TC read (`temporal_conv_read`): its definition `temporal_conv(cat([past or zeros, x]), w).sum(-1)` in float64
-with a cached window, in packed rows and both together. The inference ops: a residual's step against its float64
-reference and GPT-2's bits at beta = 0; the linear read against the float64 product. In models: the losses, every gradient and the generated
-tokens of the tensor ops, under left padding, packed rows, the cache and bf16 autocast. They run only where they
-apply (CPU float32 / float64 of one dtype, not compiling), are registered process-wide and reversibly, and attach
-nothing to a model. Built with the machine's C++ compiler; where there is none, the tests that need it are skipped
-with the reason, and the error a user gets is tested instead.
+The kernels stand in for the tensor ops of their entry points, so they are held to the same contracts. The Delta
+update (`fused_delta_update`): the dense A = I - beta k k^T reference and the tensor ops in float64 (values,
+gradients, `gradcheck`), GPT-2's bits at beta = 0, one decoded token against the float64 reference. The TC read
+(`temporal_conv_read`): its definition `temporal_conv(cat([past or zeros, x]), w).sum(-1)` in float64 with a cached
+window, in packed rows and both together. The inference ops: a residual's step (`residual_step`) against its float64
+reference and GPT-2's bits at beta = 0; the linear read (`linear_read`) against the float64 product. In models: the
+losses, every gradient and the generated tokens of the tensor ops, under left padding, packed rows, the cache and bf16
+autocast. They run only where they apply (CPU float32 / float64 of one dtype, not compiling), are registered
+process-wide and reversibly, and attach nothing to a model. Built with the machine's C++ compiler; where there is
+none, the tests that need it are skipped with the reason, and the error a user gets is tested instead.
 """
 
 from __future__ import annotations
