@@ -16,6 +16,7 @@ the time outside operators, not as the ratio).
 
     python benchmarks/bench_decode_step.py                       # GPT-2-small, native kernels, the four base rows
     python benchmarks/bench_decode_step.py --profile --variants 4:additive
+    python benchmarks/bench_decode_step.py --compiled --variants 1:additive 1:paper 4:paper   # generate's compiled step
     python benchmarks/bench_decode_step.py --quick               # tiny shape, a few seconds (tested)
 """
 
@@ -31,8 +32,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import transformers
 from scipy import stats
 from torch.profiler import ProfilerActivity, profile
+from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import provenance, write_results
@@ -60,21 +63,41 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 class Stepper:
-    """A model prefilled once; `step()` decodes the prompt's last token again from that cache and crops it back."""
+    """A model prefilled once; `step()` decodes the prompt's last token again from that cache and takes it back out.
 
-    def __init__(self, model: torch.nn.Module, prompt: torch.Tensor):
+    Eager: transformers' dynamic cache, cropped by one token after each step. `static=True`: a `StaticCache` one
+    token longer than the prompt, whose layers' write position is moved back after each step (the step writes the
+    same slot again); `compiled=True` (implies static) runs the step as transformers' compiled decoding does,
+    `torch.compile(model.__call__, fullgraph=True)` over the static cache, compiled on the first step."""
+
+    def __init__(self, model: torch.nn.Module, prompt: torch.Tensor, static: bool = False, compiled: bool = False):
         self.model = model.eval()
         self.length = prompt.shape[1]
+        self.static = static or compiled
+        self.call = torch.compile(model.__call__, fullgraph=True) if compiled else model
         with torch.inference_mode():
-            self.cache = cache_of(model(prompt, use_cache=True))
+            if self.static:
+                self.cache = StaticCache(config=model.config, max_cache_len=self.length + 1)
+                model(prompt, use_cache=True, **cache_argument(self.cache))
+                if not all(hasattr(layer, "cumulative_length") for layer in self.cache.layers):
+                    raise SystemExit(
+                        f"bench_decode_step: transformers {transformers.__version__}'s static cache layers keep no "
+                        "`cumulative_length`; the static / compiled step needs transformers >= 5.24"
+                    )
+            else:
+                self.cache = cache_of(model(prompt, use_cache=True))
         self.token = prompt[:, -1:]
         self.position = torch.tensor([[self.length]])
 
     def step(self) -> torch.Tensor:
         """The next-token logits after the prompt's last token, decoded again."""
         with torch.inference_mode():
-            out = self.model(self.token, position_ids=self.position, use_cache=True, **cache_argument(self.cache))
-        self.cache.crop(-1)  # remove the token just written (a negative count: every transformers version)
+            out = self.call(self.token, position_ids=self.position, use_cache=True, **cache_argument(self.cache))
+            if self.static:
+                for layer in self.cache.layers:  # the next step writes the same slot again
+                    layer.cumulative_length.sub_(1)
+        if not self.static:
+            self.cache.crop(-1)  # remove the token just written (a negative count: every transformers version)
         return out.logits
 
 
@@ -130,15 +153,18 @@ def op_breakdown(steppers: dict[str, Stepper], steps: int, top: int, chunk: int 
 
 def bench(shape_name: str, value_channels: int, mode: str, args: argparse.Namespace) -> dict:
     shape = SHAPES[shape_name]
+    if args.compiled:
+        torch._dynamo.reset()  # the three compiled calls of the previous row would count against the recompile limit
     gpt2, delta = build_pair(shape, value_channels, mode)
     twin = copy.deepcopy(gpt2)
     prompt = torch.randint(0, shape["vocab_size"], (1, args.context), generator=torch.Generator().manual_seed(1))
-    steppers = {name: Stepper(m, prompt) for name, m in zip(MODELS, (gpt2, twin, delta))}
+    steppers = {name: Stepper(m, prompt, compiled=args.compiled) for name, m in zip(MODELS, (gpt2, twin, delta))}
     times = time_rounds(steppers, args.rounds, args.warmup)
     row = {
         "shape": shape_name,
         "value_channels": value_channels,
         "mode": mode,
+        "compiled": args.compiled,
         "rounds": args.rounds,
         "context": args.context,
         "step_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
@@ -157,10 +183,14 @@ def fmt(s: dict, digits: int = 3) -> str:
 
 def markdown(results: dict) -> str:
     lines = [
-        "One cached decoding step (batch 1, the context length fixed by cropping the cache back), DeltaGPT and an A/A",
-        "copy of GPT-2 against GPT-2, process CPU time, "
-        f"{'native kernels on' if results['native'] else 'tensor ops (no native kernels)'}. "
-        "Medians of per-round ratios with a distribution-free 95% interval.",
+        "One cached decoding step (batch 1, the context length fixed by taking the token back out of the cache),",
+        "DeltaGPT and an A/A copy of GPT-2 against GPT-2, process CPU time, "
+        + (
+            "compiled (static cache, `torch.compile(fullgraph=True)`; no native kernel runs under compilation). "
+            if results["compiled"]
+            else f"{'native kernels on' if results['native'] else 'tensor ops (no native kernels)'}. "
+        )
+        + "Medians of per-round ratios with a distribution-free 95% interval.",
         "",
         "| shape | d_v | mode | GPT-2 ms | A/A ms | Delta ms | Delta / GPT-2 | A/A | Delta − GPT-2 ms |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -202,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--context", type=int, default=64, help="prompt length the step decodes after")
     parser.add_argument("--native", action=argparse.BooleanOptionalAction, default=True, help="ddl_hf.native kernels")
+    parser.add_argument(
+        "--compiled", action="store_true", help="static cache and torch.compile, as generate's compiled decoding"
+    )
     parser.add_argument("--profile", action="store_true", help="add the per-operator breakdown")
     parser.add_argument("--profile-steps", type=int, default=100, help="profiled steps per model, in chunks of 10")
     parser.add_argument("--top", type=int, default=15, help="operators listed in the breakdown")
@@ -228,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         row = bench(args.shape, value_channels, mode, args)
         print(f"bench_decode_step: d_v={value_channels} {mode}: {fmt(row['ratio'])}, A/A {fmt(row['aa_ratio'])}")
         rows.append(row)
-    results = {"provenance": prov, "native": args.native, "rows": rows}
+    results = {"provenance": prov, "native": args.native, "compiled": args.compiled, "rows": rows}
     name = args.name or ("decode_step_quick" if args.quick else "decode_step")
     write_results(args.out, name, results, markdown(results))
     return results

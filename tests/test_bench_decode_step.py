@@ -31,6 +31,20 @@ def test_every_step_decodes_the_same_token_from_the_same_context(value_channels)
         torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("value_channels", [1, 4])
+def test_the_static_cache_step_writes_the_same_slot_again(value_channels):
+    """The compiled rows' step, eager: a static cache one token longer than the prompt, its write position moved back
+    after each step; the logits are the full forward's every time."""
+    prompt = torch.randint(0, SHAPES["tiny"]["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3))
+    for model in build_pair(SHAPES["tiny"], value_channels, "additive"):
+        stepper = bench.Stepper(model, prompt, static=True)
+        first, second = stepper.step(), stepper.step()
+        with torch.no_grad():
+            full = model(torch.cat([prompt, prompt[:, -1:]], dim=1)).logits[:, -1:]
+        assert torch.equal(first, second)
+        torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n", [12, 51, 300])
 def test_the_median_interval_is_the_tightest_with_95_percent_coverage(n):
     """Ranks j and n + 1 - j cover the median with probability 1 - 2 P(Binomial(n, 1/2) < j): at least 0.95, and not
