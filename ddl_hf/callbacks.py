@@ -53,6 +53,11 @@ def beta_stats(betas: torch.Tensor) -> dict[str, float]:
     }
 
 
+def betas_of(output: tuple) -> torch.Tensor | None:
+    """beta `[...]` from a Delta residual's output `(new state, beta, ...)`."""
+    return output[1] if isinstance(output, tuple) and len(output) > 1 else None
+
+
 class DeltaStatsCallback(TrainerCallback):
     """Per-block beta statistics of the training batches since the last log, for every Trainer log entry.
 
@@ -80,20 +85,26 @@ class DeltaStatsCallback(TrainerCallback):
             raise ValueError(f"DeltaStatsCallback(console={console!r}): choose 'summary' or 'full'.")
         self.console = console
         self._handles: list = []
-        self._sums: dict[str, list[float]] = {}
+        # label -> [tokens (int), counts (keep, reflect: int64 on the betas' device), sum and max of beta (float32)]
+        self._sums: dict[str, list] = {}
 
     def _hook(self, label: str):
         def record(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
-            if not module.training or output[1] is None:  # None: the residual's read, not a write
+            # Device-side sums only: a host read here (`float()`, `.item()`) would stall every training step on an
+            # accelerator until the device caught up. The host reads them once per log (`pop_stats`).
+            betas = betas_of(output)
+            if not module.training or betas is None or betas.numel() == 0:
                 return
-            betas = output[1].detach().float()
-            sums = self._sums.setdefault(label, [0.0, 0.0, 0.0, 0.0, 0.0])  # count, sum, keep, reflect, max
-            sums[0] += betas.numel()
-            sums[1] += float(betas.sum())
-            sums[2] += float((betas < KEEP_BELOW).sum())
-            sums[3] += float((betas > REFLECT_ABOVE).sum())
-            if betas.numel():
-                sums[4] = max(sums[4], float(betas.max()))
+            betas = betas.detach().float()
+            counts = torch.stack(((betas < KEEP_BELOW).sum(), (betas > REFLECT_ABOVE).sum()))
+            values = torch.stack((betas.sum(), betas.amax()))
+            entry = self._sums.get(label)
+            if entry is None:
+                self._sums[label] = [betas.numel(), counts, values]
+            else:
+                entry[0] += betas.numel()
+                entry[1] = entry[1] + counts
+                entry[2] = torch.stack((entry[2][0] + values[0], torch.maximum(entry[2][1], values[1])))
 
         return record
 
@@ -112,15 +123,17 @@ class DeltaStatsCallback(TrainerCallback):
     def pop_stats(self) -> dict[str, float]:
         """The statistics since the last call (per-block keys, then the summary), and start counting afresh.
 
-        Empty when no training forward pass ran since. `DeltaTrainer.log` calls this before any callback runs.
+        Empty when no training forward pass ran since. `DeltaTrainer.log` calls this before any callback runs. The
+        one place the sums come to the host: once per block and log, not per step.
         """
         stats: dict[str, float] = {}
         if not self._sums:
             return stats
         tokens = total = keep_all = 0.0
         top = 0.0
-        for label, (count, total_beta, keep, reflect, largest) in self._sums.items():
-            n = max(count, 1.0)
+        for label, (count, counts, values) in self._sums.items():
+            (keep, reflect), (total_beta, largest) = counts.tolist(), values.tolist()
+            n = max(count, 1)
             stats[f"beta/{label}/mean"] = total_beta / n
             stats[f"beta/{label}/keep"] = keep / n
             stats[f"beta/{label}/project"] = (count - keep - reflect) / n

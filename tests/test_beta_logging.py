@@ -15,7 +15,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from workflow_utils import tiny_gpt2_dir
 
 import ddl_hf
-from ddl_hf.callbacks import SUMMARY_KEYS, DeltaStatsCallback
+from ddl_hf.callbacks import SUMMARY_KEYS, DeltaStatsCallback, beta_stats
 from ddl_hf.training import DeltaTrainer, training_arguments
 
 BLOCKS = ("L0.attn", "L0.mlp", "L1.attn", "L1.mlp")
@@ -115,12 +115,14 @@ def test_console_full_restores_every_key_for_later_callbacks(delta_model_dir, tm
     assert "beta/L0.attn/mean" in logs and "beta_mean" in logs
 
 
-def test_reads_through_the_residual_forward_are_not_counted_as_writes():
-    """With d_v > 1 every Delta residual's read runs through its forward too (so that offload hooks fire) and returns
-    `(read, None)`; the callback counts only the writes: one beta per token and block, the same as output_betas."""
+@pytest.mark.parametrize("shared_read", [False, True], ids=["own-read", "shared-read"])
+def test_the_callback_counts_one_beta_per_token_and_block_as_output_betas(shared_read):
+    """At d_v > 1, and with `delta_shared_read` (the attention residual also returns its read of the new state for
+    the MLP residual, a third output): one beta per token and block, the same as output_betas, summed on the device
+    and read once by `pop_stats`."""
     from builders import delta_model
 
-    model = delta_model(delta_value_channels=4, delta_beta_init=0.5).train()
+    model = delta_model(delta_value_channels=4, delta_beta_init=0.5, delta_shared_read=shared_read).train()
     callback = DeltaStatsCallback()
     callback.on_train_begin(None, None, None, model=model)
     ids = torch.randint(1, 97, (2, 5))
@@ -130,3 +132,6 @@ def test_reads_through_the_residual_forward_are_not_counted_as_writes():
     assert len(betas) == 4 and all(b.shape == (2, 5) for b in betas)
     for label, beta in zip(BLOCKS, betas):
         assert stats[f"beta/{label}/mean"] == pytest.approx(float(beta.detach().mean()), rel=1e-6)
+        reference = beta_stats(beta)  # the regimes counted on the host, from the same betas
+        assert all(stats[f"beta/{label}/{regime}"] == reference[regime] for regime in ("keep", "project", "reflect"))
+    assert stats["beta_max"] == pytest.approx(max(float(beta.max()) for beta in betas), rel=1e-6)

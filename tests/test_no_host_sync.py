@@ -170,3 +170,25 @@ def test_prefill_and_one_cached_step_read_nothing_back(name, as_generate):
     model = MODELS[name]()
     prefill_and_decode(model, as_generate)  # the same calls on real tensors run
     assert isinstance(prefill_and_decode(OnFakeTensors(model), as_generate), FakeTensor)
+
+
+@pytest.mark.parametrize("name", ["delta_gpt-additive-dv1", "delta_llama-llama-paper-dv4"])
+def test_the_beta_statistics_callback_reads_nothing_back_during_training(name):
+    """`DeltaStatsCallback`'s forward hooks keep their sums on the device: a training step with them attached runs
+    on fake tensors, and the sums it left are fake (the hooks ran). The host reads them once per log."""
+    from ddl_hf.callbacks import DeltaStatsCallback
+
+    model = MODELS[name]().train()
+    callback = DeltaStatsCallback()
+    callback.on_train_begin(None, None, None, model=model)
+    try:
+        inputs = training_inputs("left-padded-mask")
+        training_step(model, torch.Tensor.backward, inputs)
+        assert callback.pop_stats()["beta_mean"] >= 0.0  # real tensors: the statistics come out as numbers
+        fake = OnFakeTensors(model)
+        training_step(fake, fake.backward, inputs)
+        sums = list(callback._sums.values())
+        assert len(sums) == len(model.delta_residuals())
+        assert all(isinstance(tensor, FakeTensor) for _, *tensors in sums for tensor in tensors)
+    finally:
+        callback.remove_hooks()
