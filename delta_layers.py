@@ -40,7 +40,6 @@ from .delta_ops import (
     channel_conv_read,
     delta_gate,
     fused_delta_update,
-    linear_read,
     residual_step,
     same_document_taps,
     straight_through_clamp,
@@ -279,7 +278,7 @@ class DeltaResidual(nn.Module):
         if self.read_conv is not None:
             return self.read_conv(state, self.read_weights, context, key)
         if self.read_weights is not None:
-            return linear_read(state, self.read_weights)
+            return state @ self.read_weights.to(state.dtype)
         return state
 
     def forward(
@@ -487,7 +486,7 @@ class DeltaStateMixin:
         if self.read_out_conv is not None:
             return self.read_out_conv(state, self.read_out if self.value_channels > 1 else None, context, "read_out")
         if self.value_channels > 1:
-            return linear_read(state, self.read_out)
+            return state @ self.read_out.to(state.dtype)
         return state
 
     def check_read_out_placement(self, inputs: torch.Tensor) -> None:

@@ -13,7 +13,6 @@ beside it (as fla keeps `naive.py` beside its kernels; the tests compare the two
 | EC expansion of the embedding | `temporal_conv` | itself |
 | DeltaNet rule over time | `delta_rule_chunkwise` | `delta_rule_recurrent` |
 | a residual's gate, value and write, inference | `residual_step` (a kernel or None) | `DeltaResidual.update` |
-| linear read of the expanded state (`X w`) | `linear_read` | `state @ weight` |
 
 Optional kernels (the native CPU kernels of `ddl_hf.native`, any later GPU kernel) register with an entry point
 through `register_kernel`; the entry point runs a registered kernel where its `applies` says so and its own tensor
@@ -51,8 +50,6 @@ class DeltaKernel(NamedTuple):
     - `"residual_step"` (inference only, `backward` None): `forward(residual, state, x, c, h) -> (new_state, beta
       [...]) or None`: a whole Delta residual after its branch, gate, value and write, as `DeltaResidual.update`
       defines it (the reference); None where the kernel does not take this residual (its tensor ops then run).
-    - `"linear_read"` (inference only, `backward` None): `forward(state [..., D, d_v], weight [d_v]) -> [..., D] or
-      None`, `state @ weight`; None where the kernel does not take these tensors.
 
     `applies(tensor) -> bool` says whether the kernel can take this op's inputs (device, dtype, not while compiling).
     """
@@ -62,8 +59,8 @@ class DeltaKernel(NamedTuple):
     applies: Callable[[torch.Tensor], bool]
 
 
-KERNEL_OPS = ("delta_update", "tc_read", "residual_step", "linear_read")
-INFERENCE_OPS = ("residual_step", "linear_read")  # run only without autograd: no backward
+KERNEL_OPS = ("delta_update", "tc_read", "residual_step")
+INFERENCE_OPS = ("residual_step",)  # run only without autograd: no backward
 # One registry for every copy of this file: the package's, and each copy that transformers loads as Hub custom code
 # (`transformers_modules.<repo>.delta_ops`), so that a kernel registered through `ddl_hf` reaches those models too.
 _REGISTRY = "ddl_hf_delta_kernels"
@@ -343,19 +340,6 @@ def residual_step(
     if kernel is None or torch.is_grad_enabled() or not kernel.applies(state):
         return None
     return kernel.forward(residual, state, x, c, h)
-
-
-def linear_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The read of an expanded state with a read vector: `x = X w`, `[..., D, d_v]` -> `[..., D]` (a sublayer's input,
-    and the read-out before the final norm). Without autograd a registered "linear_read" kernel runs it where it
-    applies: decoding reads a few kilobytes per residual right after the branch has streamed its weights through the
-    caches, where the tensor ops' matmul costs several times its arithmetic (docs/performance.md)."""
-    kernel = _KERNELS.get("linear_read")
-    if kernel is not None and not torch.is_grad_enabled() and kernel.applies(state):
-        read = kernel.forward(state, weight)
-        if read is not None:
-            return read
-    return state @ weight.to(state.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -763,7 +747,6 @@ __all__ = [
     "delta_rule_recurrent",
     "delta_update",
     "fused_delta_update",
-    "linear_read",
     "register_kernel",
     "registered_kernel",
     "residual_step",

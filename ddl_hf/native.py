@@ -125,15 +125,13 @@ def _residual_step(residual: nn.Module, state: torch.Tensor, x: torch.Tensor, c:
 def enable_native_kernels(verbose: bool = False) -> None:
     """Register the native kernels with `delta_ops`' entry points: every Delta update and TC read of every model in
     this process runs them where they apply (`_applies`), and, without autograd (generation), each Delta residual's
-    gate, value and update run as one call (`residual_step`), and each linear read of an expanded state as one
-    (`linear_read`).
+    gate, value and update run as one call (`residual_step`).
 
     Raises `NativeKernelUnavailable` (naming what is missing) where they cannot be built."""
     kernels = load_training_kernels(verbose)
     register_kernel("delta_update", DeltaKernel(kernels.delta_update_forward, kernels.delta_update_backward, _applies))
     register_kernel("tc_read", DeltaKernel(kernels.tc_read_forward, kernels.tc_read_backward, _applies))
     register_kernel("residual_step", DeltaKernel(_residual_step, None, _applies))
-    register_kernel("linear_read", DeltaKernel(kernels.linear_read, None, _applies))
 
 
 def disable_native_kernels() -> None:

@@ -4,12 +4,12 @@ The kernels stand in for the tensor ops of their entry points, so they are held 
 update (`fused_delta_update`): the dense A = I - beta k k^T reference and the tensor ops in float64 (values,
 gradients, `gradcheck`), GPT-2's bits at beta = 0, one decoded token against the float64 reference. The TC read
 (`temporal_conv_read`): its definition `temporal_conv(cat([past or zeros, x]), w).sum(-1)` in float64 with a cached
-window, in packed rows and both together. The inference ops: a residual's step (`residual_step`) against its float64
-reference and GPT-2's bits at beta = 0; the linear read (`linear_read`) against the float64 product. In models: the
-losses, every gradient and the generated tokens of the tensor ops, under left padding, packed rows, the cache and bf16
-autocast. They run only where they apply (CPU float32 / float64 of one dtype, not compiling), are registered
-process-wide and reversibly, and attach nothing to a model. Built with the machine's C++ compiler; where there is
-none, the tests that need it are skipped with the reason, and the error a user gets is tested instead.
+window, in packed rows and both together. A residual's inference step (`residual_step`): its float64 reference and
+GPT-2's bits at beta = 0. In models: the losses, every gradient and the generated tokens of the tensor ops, under
+left padding, packed rows, the cache and bf16 autocast. They run only where they apply (CPU float32 / float64 of one
+dtype, not compiling), are registered process-wide and reversibly, and attach nothing to a model. Built with the
+machine's C++ compiler; where there is none, the tests that need it are skipped with the reason, and the error a user
+gets is tested instead.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from ddl_hf.delta_ops import (
     KERNEL_OPS,
     DeltaKernel,
     fused_delta_update,
-    linear_read,
     register_kernel,
     registered_kernel,
     same_document_taps,
@@ -219,67 +218,9 @@ def test_the_residual_step_at_beta_zero_is_gpt2_bit_for_bit(spy, d_v, mode):
     h = h * 1e3  # large enough that any rounding of the write would show
     with torch.inference_mode():
         out, beta = step(module, state, normed, h)
-    assert spy.calls == {"residual_step_forward": 1} | ({"linear_read_forward": 1} if d_v > 1 else {})
+    assert spy.calls == {"residual_step_forward": 1}
     assert torch.equal(beta, torch.zeros(1, 1))
     assert torch.equal(out, state + (h.unsqueeze(-1) if d_v > 1 else h) if mode == "additive" else state)
-
-
-# ---- the linear read ----------------------------------------------------------------------------------------------
-
-
-def expanded_states(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`[B, T, D, d_v]` states as a model holds them: contiguous (a residual's output), the stride-0 first state (the
-    embedding repeated over the channels) and a strided view."""
-    g = torch.Generator().manual_seed(12)
-    state = torch.randn(2, 5, 32, 4, generator=g, dtype=dtype)
-    return {
-        "contiguous": state,
-        "expanded view": state[..., 0].unsqueeze(-1).expand(state.shape),
-        "strided view": torch.randn(2, 5, 4, 32, generator=g, dtype=dtype).transpose(-1, -2),
-    }
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "expanded view", "strided view"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_linear_read_matches_the_float64_reference(spy, layout, dtype):
-    """`X w` without autograd in one kernel call, against the float64 product: the kernel sums in double precision and
-    rounds once, so each entry is within half an ulp of the exact read, plus the double sum's own rounding."""
-    state = expanded_states(dtype)[layout]
-    weight = torch.randn(4, generator=torch.Generator().manual_seed(13), dtype=dtype)
-    with torch.no_grad():
-        got = linear_read(state, weight)
-    assert spy.calls == {"linear_read_forward": 1}
-    exact = state.double() @ weight.double()
-    assert got.shape == state.shape[:-1] and got.dtype == dtype
-    unit = torch.finfo(dtype).eps / 2
-    bound = unit * exact.abs() + 4 * torch.finfo(torch.float64).eps * (state.double().abs() @ weight.double().abs())
-    assert ((got.double() - exact).abs() <= bound).all()
-
-
-def test_the_linear_read_runs_only_where_it_applies_and_gives_the_tensor_ops_elsewhere(spy, monkeypatch):
-    """Mixed dtypes: declined (the tensor ops' result); bf16, autograd recording or compiling: not called at all."""
-    state = expanded_states(torch.float32)["contiguous"]
-    weight = torch.randn(4, generator=torch.Generator().manual_seed(14))
-
-    def runs(state, weight, grad=False) -> bool:
-        spy.calls.clear()
-        with torch.set_grad_enabled(grad):
-            got = linear_read(state, weight)
-        with tensor_ops(), torch.set_grad_enabled(grad):
-            want = linear_read(state, weight)
-        if spy.calls["linear_read_forward"] == 1:
-            return True
-        assert torch.equal(got, want)  # declined or not called: exactly what runs without the kernel
-        return False
-
-    assert runs(state, weight)
-    assert not runs(state, weight.double())  # declined in the kernel
-    assert spy.calls == {"linear_read_declined": 1}
-    assert not runs(state.bfloat16(), weight.bfloat16())
-    assert not runs(state.requires_grad_(), weight, grad=True)  # inference only: no backward
-    assert linear_read(state, weight.requires_grad_()).grad_fn is not None
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not runs(state.detach(), weight.detach())
 
 
 class QuantizedLinear(torch.nn.Linear):
@@ -530,15 +471,6 @@ GENERATION_VARIANTS["cc-ec-paper-dv4"] = dict(
 )
 
 
-def linear_reads_per_forward(model) -> int:
-    """The `linear_read` calls of one forward of an expanded model without a TC / CC read: one read of the state per
-    residual (its own, or its block's shared read of the new state), and the read-out before the final norm."""
-    config = model.config
-    if config.delta_value_channels == 1 or config.delta_state_read != "linear":
-        return 0
-    return len(model.delta_residuals()) + 1
-
-
 def count_forwards(modules: list) -> list:
     """Forward hooks on `modules`: the returned list grows by one per call."""
     calls = []
@@ -555,7 +487,6 @@ def test_a_model_generates_with_the_native_kernels_as_with_tensor_ops(spy, varia
     scramble_delta_weights(model)
     updates = count_forwards([m for m in model.modules() if isinstance(m, DeltaResidual)])
     reads = count_forwards(tc_reads(model))
-    forwards = count_forwards([model.base_model])
     prompt = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :2] = 0
@@ -564,17 +495,12 @@ def test_a_model_generates_with_the_native_kernels_as_with_tensor_ops(spy, varia
         with torch.inference_mode():
             with tensor_ops():
                 plain = model.generate(ids, attention_mask=attention_mask, **settings)
-            for calls in (spy.calls, updates, reads, forwards):
+            for calls in (spy.calls, updates, reads):
                 calls.clear()
             fast = model.generate(ids, attention_mask=attention_mask, **settings)
         assert len(updates) >= 2 * model.config.n_layer * 7  # the prefill and 6 one-token steps
-        # every residual of the prompt and of each step as one call: gate, value and update; every read as one
-        linear = linear_reads_per_forward(model) * len(forwards)
-        assert spy.calls == (
-            {"residual_step_forward": len(updates)}
-            | ({"tc_read_forward": len(reads)} if reads else {})
-            | ({"linear_read_forward": linear} if linear else {})
-        )
+        # every residual of the prompt and of each step as one call: gate, value and update
+        assert spy.calls == {"residual_step_forward": len(updates)} | ({"tc_read_forward": len(reads)} if reads else {})
         assert torch.equal(fast.sequences, plain.sequences)
         torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
 
@@ -630,7 +556,6 @@ def test_registration_is_process_wide_reversible_and_attaches_nothing_to_a_model
         assert (update.forward, update.backward) == (kernels.delta_update_forward, kernels.delta_update_backward)
         assert (read.forward, read.backward) == (kernels.tc_read_forward, kernels.tc_read_backward)
         assert registered_kernel("residual_step").backward is None  # inference only
-        assert registered_kernel("linear_read") == (kernels.linear_read, None, native._applies)
         spy = count_registered_kernels()
         built_after = variant_model(seed=1, **TC)
         with torch.no_grad():
@@ -690,8 +615,7 @@ def test_register_kernel_refuses_unknown_ops_and_other_objects():
     def forward(*args):
         raise AssertionError("never called")
 
-    ops = r"\('delta_update', 'tc_read', 'residual_step', 'linear_read'\)"
-    with pytest.raises(ValueError, match=rf"unknown op 'cc_read'.*{ops}"):
+    with pytest.raises(ValueError, match=r"unknown op 'cc_read'.*\('delta_update', 'tc_read', 'residual_step'\)"):
         register_kernel("cc_read", DeltaKernel(forward, forward, lambda x: True))
     with pytest.raises(TypeError, match="expected a DeltaKernel"):  # only an inference op has no backward
         register_kernel("delta_update", DeltaKernel(forward, None, lambda x: True))

@@ -1,6 +1,5 @@
 // Native kernels (ddl_hf.native.enable_native_kernels): the fused Delta update and the TC read, each in one pass over
-// the state, forward and backward; and, at the end, two inference ops: a residual's step (residual_step) and the
-// linear read of an expanded state (linear_read).
+// the state, forward and backward; and, at the end, a residual's inference step (residual_step).
 //
 // The Delta update: the same math as delta_ops._fused_delta_forward and _FusedDeltaUpdate.backward. Per token, with
 // X [D, d_v], h [D], beta, v [d_v]: r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode;
@@ -453,39 +452,6 @@ py::object residual_step(const at::Tensor& state_in, const at::Tensor& c_in, con
   });
   return py::make_tuple(out, beta);
 }
-
-// The linear read of an expanded state, for inference (delta_ops.linear_read; the reference is state @ weight):
-// x[n, d] = sum_c X[n, d, c] w[c], X [..., D, d_v], w [d_v]. Decoding reads a few kilobytes once per residual, just
-// after its branch has streamed megabytes of weights through the caches; the tensor ops' matmul -> mv -> gemv call
-// then costs several times its arithmetic, this one loop does not. The sums run in double precision.
-template <typename T>
-void read_rows(const T* X, const T* w, int64_t V, int64_t begin, int64_t end, T* out) {
-  for (int64_t n = begin; n < end; ++n) {
-    const T* __restrict__ xn = X + n * V;
-    double sum = 0.0;
-    for (int64_t c = 0; c < V; ++c) sum += static_cast<double>(xn[c]) * static_cast<double>(w[c]);
-    out[n] = static_cast<T>(sum);
-  }
-}
-
-// The read [...] of a state [..., d_v] (the hidden units among the leading dimensions), or None where the kernel does
-// not take these tensors (not both on the CPU in one float32 / float64 dtype); the caller then runs the tensor ops.
-py::object linear_read(const at::Tensor& state_in, const at::Tensor& weight_in) {
-  const auto dtype = state_in.scalar_type();
-  if ((dtype != at::kFloat && dtype != at::kDouble) || !on_cpu_as(state_in, dtype) || !on_cpu_as(weight_in, dtype))
-    return py::none();
-  TORCH_CHECK(state_in.dim() >= 1 && weight_in.dim() == 1 && state_in.size(-1) == weight_in.size(0),
-              "linear_read: the state must be [..., d_v] and the read vector [d_v]");
-  const int64_t V = weight_in.size(0), N = V > 0 ? state_in.numel() / V : 0;
-  const at::Tensor X = state_in.contiguous(), w = weight_in.contiguous();
-  at::Tensor out = at::empty(state_in.sizes().slice(0, state_in.dim() - 1), X.options());
-  AT_DISPATCH_FLOATING_TYPES(dtype, "linear_read", [&] {
-    at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
-      read_rows<scalar_t>(X.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), V, begin, end, out.data_ptr<scalar_t>());
-    });
-  });
-  return py::cast(out);
-}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -494,5 +460,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tc_read_forward", &tc_read_forward, "TC read, forward (one pass over the state)");
   m.def("tc_read_backward", &tc_read_backward, "TC read, backward (one pass over the state)");
   m.def("residual_step", &residual_step, "A Delta residual's gate, value and update, inference (one call)");
-  m.def("linear_read", &linear_read, "The linear read of an expanded state, inference (one pass)");
 }
