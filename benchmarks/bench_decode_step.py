@@ -17,6 +17,7 @@ the time outside operators, not as the ratio).
     python benchmarks/bench_decode_step.py                       # GPT-2-small, native kernels, the four base rows
     python benchmarks/bench_decode_step.py --profile --variants 4:additive
     python benchmarks/bench_decode_step.py --compiled --variants 1:additive 1:paper 4:paper   # generate's compiled step
+    python benchmarks/bench_decode_step.py --without-kernel residual_step   # what that native kernel earns
     python benchmarks/bench_decode_step.py --quick               # tiny shape, a few seconds (tested)
 """
 
@@ -42,6 +43,7 @@ from _common import provenance, write_results
 from bench_overhead import SHAPES, build_pair
 
 from ddl_hf.delta_compat import cache_argument, cache_of
+from ddl_hf.delta_ops import KERNEL_OPS, register_kernel, registered_kernel
 from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
 
 MODELS = ("gpt2", "twin", "delta")
@@ -99,6 +101,22 @@ class Stepper:
         if not self.static:
             self.cache.crop(-1)  # remove the token just written (a negative count: every transformers version)
         return out.logits
+
+
+class WithoutKernel:
+    """A stepper whose steps run with `op`'s registered kernel taken away (the tensor ops), put back after each step:
+    in the same process and rotation as the others, what that kernel earns (`--without-kernel`)."""
+
+    def __init__(self, stepper: Stepper, op: str):
+        self.stepper, self.op = stepper, op
+
+    def step(self) -> torch.Tensor:
+        kernel = registered_kernel(self.op)
+        register_kernel(self.op, None)
+        try:
+            return self.stepper.step()
+        finally:
+            register_kernel(self.op, kernel)
 
 
 def time_rounds(steppers: dict[str, Stepper], rounds: int, warmup: int) -> dict[str, list[float]]:
@@ -159,6 +177,8 @@ def bench(shape_name: str, value_channels: int, mode: str, args: argparse.Namesp
     twin = copy.deepcopy(gpt2)
     prompt = torch.randint(0, shape["vocab_size"], (1, args.context), generator=torch.Generator().manual_seed(1))
     steppers = {name: Stepper(m, prompt, compiled=args.compiled) for name, m in zip(MODELS, (gpt2, twin, delta))}
+    if args.without_kernel:
+        steppers["without"] = WithoutKernel(Stepper(copy.deepcopy(delta), prompt), args.without_kernel)
     times = time_rounds(steppers, args.rounds, args.warmup)
     row = {
         "shape": shape_name,
@@ -172,6 +192,10 @@ def bench(shape_name: str, value_channels: int, mode: str, args: argparse.Namesp
         "aa_ratio": summary([t / g for t, g in zip(times["twin"], times["gpt2"])]),
         "diff_ms": summary([(d - g) * 1e3 for d, g in zip(times["delta"], times["gpt2"])]),
     }
+    if args.without_kernel:
+        row["without_kernel"] = args.without_kernel
+        row["without_ratio"] = summary([w / g for w, g in zip(times["without"], times["gpt2"])])
+        row["kernel_ratio"] = summary([d / w for d, w in zip(times["delta"], times["without"])])
     if args.profile:
         row["ops"] = op_breakdown(steppers, args.profile_steps, args.top)
     return row
@@ -201,6 +225,21 @@ def markdown(results: dict) -> str:
             f"| {r['shape']} | {r['value_channels']} | {r['mode']} | {ms['gpt2']:.2f} | {ms['twin']:.2f} | "
             f"{ms['delta']:.2f} | {fmt(r['ratio'])} | {fmt(r['aa_ratio'])} | {fmt(r['diff_ms'], 2)} |"
         )
+    kernel_rows = [r for r in results["rows"] if "without_kernel" in r]
+    if kernel_rows:
+        lines += [
+            "",
+            "What a kernel earns, in the same rounds: a copy of DeltaGPT stepping with that kernel unregistered (the "
+            "tensor ops).",
+            "",
+            "| shape | d_v | mode | kernel | without it / GPT-2 | with it / without it |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['shape']} | {r['value_channels']} | {r['mode']} | `{r['without_kernel']}` | "
+            f"{fmt(r['without_ratio'])} | {fmt(r['kernel_ratio'])} |"
+            for r in kernel_rows
+        ]
     for r in results["rows"]:
         if "ops" not in r:
             continue
@@ -235,6 +274,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--compiled", action="store_true", help="static cache and torch.compile, as generate's compiled decoding"
     )
+    parser.add_argument(
+        "--without-kernel",
+        choices=KERNEL_OPS,
+        help="also time DeltaGPT with this op's native kernel unregistered: what the kernel earns, in one process",
+    )
     parser.add_argument("--profile", action="store_true", help="add the per-operator breakdown")
     parser.add_argument("--profile-steps", type=int, default=100, help="profiled steps per model, in chunks of 10")
     parser.add_argument("--top", type=int, default=15, help="operators listed in the breakdown")
@@ -242,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--name", default=None, help="basename of the result files (default: decode_step[_quick])")
     args = parser.parse_args(argv)
+    if args.without_kernel and (args.compiled or not args.native):
+        parser.error("--without-kernel compares a native kernel with the tensor ops: it needs --native, not --compiled")
     args.shape = args.shape or ("tiny" if args.quick else "gpt2-small")
     args.rounds = args.rounds or (12 if args.quick else 300)
     if args.quick:

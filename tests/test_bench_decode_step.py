@@ -75,3 +75,26 @@ def test_a_variant_is_d_v_and_mode():
     assert bench.parse_variant("4:paper") == (4, "paper")
     with pytest.raises(Exception, match="D_V:MODE"):
         bench.parse_variant("4-paper")
+
+
+@pytest.mark.slow
+def test_a_kernel_is_taken_away_only_for_its_own_steps_and_put_back(tmp_path):
+    """`--without-kernel`: a copy of the Delta model steps with the kernel unregistered, the kernel is registered
+    again after each of its steps, and the row reports both ratios; compiled, the option is refused."""
+    from ddl_hf.delta_ops import registered_kernel
+    from ddl_hf.native import disable_native_kernels, native_build_problem
+
+    if native_build_problem() is not None:
+        pytest.skip(f"the native kernels cannot be built here: {native_build_problem()}")
+    try:
+        results = bench.main(
+            ["--quick", "--variants", "4:paper", "--without-kernel", "residual_step", "--out", str(tmp_path)]
+        )
+        assert registered_kernel("residual_step") is not None
+        row = results["rows"][0]
+        assert row["without_kernel"] == "residual_step" and row["kernel_ratio"]["median"] > 0
+        assert "| tiny | 4 | paper | `residual_step` |" in (tmp_path / "decode_step_quick.md").read_text()
+    finally:
+        disable_native_kernels()
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--compiled", "--without-kernel", "residual_step", "--out", str(tmp_path)])
