@@ -53,11 +53,6 @@ def beta_stats(betas: torch.Tensor) -> dict[str, float]:
     }
 
 
-def betas_of(output: tuple) -> torch.Tensor | None:
-    """beta `[...]` from a Delta residual's output `(new state, beta, ...)`."""
-    return output[1] if isinstance(output, tuple) and len(output) > 1 else None
-
-
 class DeltaStatsCallback(TrainerCallback):
     """Per-block beta statistics of the training batches since the last log, for every Trainer log entry.
 
@@ -92,8 +87,8 @@ class DeltaStatsCallback(TrainerCallback):
         def record(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
             # Device-side sums only: a host read here (`float()`, `.item()`) would stall every training step on an
             # accelerator until the device caught up. The host reads them once per log (`pop_stats`).
-            betas = betas_of(output)
-            if not module.training or betas is None or betas.numel() == 0:
+            betas = output[1]  # a Delta residual returns (new state, beta[, shared read])
+            if not module.training or betas.numel() == 0:
                 return
             betas = betas.detach().float()
             counts = torch.stack(((betas < KEEP_BELOW).sum(), (betas > REFLECT_ABOVE).sum()))
