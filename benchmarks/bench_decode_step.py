@@ -84,7 +84,7 @@ class Stepper:
                 if not all(hasattr(layer, "cumulative_length") for layer in self.cache.layers):
                     raise SystemExit(
                         f"bench_decode_step: transformers {transformers.__version__}'s static cache layers keep no "
-                        "`cumulative_length`; the static / compiled step needs transformers >= 5.24"
+                        "`cumulative_length` (the write position this step moves back; 5.16 to 5.24 have it)"
                     )
             else:
                 self.cache = cache_of(model(prompt, use_cache=True))
