@@ -6,6 +6,7 @@ hold is the independent reference. The upgrade's own guarantees (nothing else ch
 
 from __future__ import annotations
 
+import errno
 import shutil
 import subprocess
 import sys
@@ -245,6 +246,28 @@ def test_an_upgrade_that_fails_midway_leaves_nothing(tmp_path, monkeypatch, caps
     assert ddl_hf_cli.main(["upgrade", str(FIXTURES / "delta_gpt"), "--output", str(output)]) == 130
     assert capsys.readouterr().err == f"error: interrupted; nothing was written to {output}.\n"
     assert no_trace(output) and not output.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "disk full while writing the upgrade of"),
+        (PermissionError(errno.EACCES, "Permission denied"), "cannot write"),
+    ],
+)
+def test_an_upgrade_that_cannot_write_says_why_and_leaves_nothing(tmp_path, monkeypatch, capsys, error, message):
+    """A full disk gets the same advice as `convert`'s (free space or another --output); other OS errors name the
+    output. Either way one line, exit code 1, no trace."""
+
+    def fails(config):
+        raise error
+
+    monkeypatch.setattr(upgrade, "_write_todays_code", fails)
+    output = tmp_path / "upgraded"
+    assert ddl_hf_cli.main(["upgrade", str(FIXTURES / "delta_gpt"), "--output", str(output)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1 and str(output) in err
+    assert no_trace(output)
 
 
 def test_the_upgrade_refuses_an_existing_destination_and_an_upgraded_source(tmp_path, upgraded, capsys):

@@ -69,22 +69,8 @@ def run_cli(args: argparse.Namespace) -> int:
             command=command,
             hub_repo_id=args.push_to_hub,
         )
-    except ConversionError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"error: interrupted; nothing was written to {args.output}.", file=sys.stderr)
-        return 130
-    except OSError as error:
-        if error.errno == errno.ENOSPC:
-            print(
-                f"error: disk full while writing the conversion of {args.source} ({error}). Nothing was written to "
-                f"{args.output}; free space on that filesystem or choose another --output.",
-                file=sys.stderr,
-            )
-        else:
-            print(f"error: cannot write {args.output}: {error}. Nothing was written.", file=sys.stderr)
-        return 1
+    except (ConversionError, KeyboardInterrupt, OSError) as error:
+        return write_failed(error, "the conversion of " + args.source, args.output)
     print(report)
     files = sorted(p.name for p in Path(args.output).iterdir())
     print(f"Wrote {args.output}: {', '.join(files)}")
@@ -106,17 +92,29 @@ def run_upgrade_cli(args: argparse.Namespace) -> int:
     """Run `upgrade` from parsed arguments; print what was written, or one clear error line. Returns the exit code."""
     try:
         report = upgrade_checkpoint(args.source, args.output, force=args.force)
-    except ConversionError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"error: interrupted; nothing was written to {args.output}.", file=sys.stderr)
-        return 130
-    except OSError as error:
-        print(f"error: cannot write {args.output}: {error}. Nothing was written.", file=sys.stderr)
-        return 1
+    except (ConversionError, KeyboardInterrupt, OSError) as error:
+        return write_failed(error, "the upgrade of " + args.source, args.output)
     print(report)
     return 0
+
+
+def write_failed(error: BaseException, what: str, output: str) -> int:
+    """One error line for a conversion or upgrade that stopped before its atomic write (nothing is left at `output`);
+    returns the exit code (130 for an interrupt, as the shell's)."""
+    if isinstance(error, ConversionError):
+        print(f"error: {error}", file=sys.stderr)
+    elif isinstance(error, KeyboardInterrupt):
+        print(f"error: interrupted; nothing was written to {output}.", file=sys.stderr)
+        return 130
+    elif error.errno == errno.ENOSPC:
+        print(
+            f"error: disk full while writing {what} ({error}). Nothing was written to {output}; free space on that "
+            "filesystem or choose another --output.",
+            file=sys.stderr,
+        )
+    else:
+        print(f"error: cannot write {output}: {error}. Nothing was written.", file=sys.stderr)
+    return 1
 
 
 def recorded_command(args: argparse.Namespace, source: ResolvedSource | None = None) -> str:
