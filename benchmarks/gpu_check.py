@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers import utils as hf_utils
 from transformers.utils import logging as hf_logging
@@ -48,6 +47,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ddl_hf
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when imported or run by runpy
 from _common import cpu_model, provenance, write_results
+from bench_overhead import live_bytes, peak_train_bytes
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
 
@@ -532,34 +532,19 @@ def train_step_fn(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.op
     return step
 
 
-def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages of parameters, buffers and optimizer state."""
-    tensors = [*model.parameters(), *model.buffers()]
-    for state in optimizer.state.values():
-        tensors += [t for t in state.values() if torch.is_tensor(t)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
 def peak_step_bytes(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Peak tensor bytes of one training step: the model's parameters, buffers and AdamW state, plus the most the
     step allocates on top (CUDA: the caching allocator's peak; CPU: the running sum of the profiler's allocations)."""
     device = next(model.parameters()).device
+    if device.type != "cuda":
+        return peak_train_bytes(step, model, optimizer)  # bench_overhead's, from the profiler
     before = live_bytes(model, optimizer)
-    if device.type == "cuda":
-        synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        synchronize(device)
-        return before + torch.cuda.max_memory_allocated(device) - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return before + peak
+    synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    synchronize(device)
+    return before + torch.cuda.max_memory_allocated(device) - start
 
 
 def generate_fn(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int, compiled: str | None) -> Callable:
