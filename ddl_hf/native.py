@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from .delta_ops import KERNEL_OPS, DeltaKernel, register_kernel
 
@@ -94,15 +95,22 @@ def _hooked(module: nn.Module | None) -> bool:
     return module is not None and bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
+def _global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`torch.nn.modules.module.register_module_forward_hook`
+    / `_pre_hook`; torch's module tracker and some profilers use them). torch has no public reader of them: these are
+    the dicts `nn.Module.__call__` itself reads (this module is a backend outside the Hub files)."""
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
 def _residual_step(residual: nn.Module, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor):
     """The "residual_step" kernel (`delta_ops.residual_step`): `(new_state, beta)`, or None where it does not take
     this residual: a gate that is not one plain `nn.Linear` (the MLP gate, a quantized or LoRA-wrapped layer), a
-    value likewise, a hooked layer (its hooks would not run), or tensors not all on the CPU in the state's float32 /
-    float64 dtype (checked in the kernel)."""
+    value likewise, a hooked layer or hooks on every module (they would not run), or tensors not all on the CPU in
+    the state's float32 / float64 dtype (checked in the kernel)."""
     gate, value = residual.beta_proj, residual.v_proj
     if type(gate) is not nn.Linear or (value is not None and type(value) is not nn.Linear):
         return None
-    if _hooked(gate) or _hooked(value):
+    if _hooked(gate) or _hooked(value) or _global_hooks():
         return None
     return _kernels.residual_step(
         state,

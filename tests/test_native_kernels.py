@@ -261,6 +261,22 @@ def test_the_residual_step_declines_what_it_cannot_take_and_the_tensor_ops_run(s
     fired = []
     hooked.beta_proj.register_forward_hook(lambda *args: fired.append(1))
     assert not runs(hooked, state, normed, h) and fired
+    for register in (  # hooks on every module: they must fire on the gate and value Linears too
+        torch.nn.modules.module.register_module_forward_hook,
+        torch.nn.modules.module.register_module_forward_pre_hook,
+    ):
+        seen: list[type] = []
+
+        def hook(module, *args, seen=seen) -> None:
+            seen.append(type(module))
+
+        handle = register(hook)
+        try:
+            assert not runs(residual(4, "paper"), state, normed, h)
+        finally:
+            handle.remove()
+        assert seen.count(torch.nn.Linear) == 4  # gate and value, in the declined call and in its reference
+    assert runs(residual(4, "paper"), state, normed, h)  # removed: taken again
     assert not runs(residual(4, "paper"), state, normed, h.bfloat16())
     spy.calls.clear()
     step(residual(4, "paper"), state, normed, h)  # autograd records: the update op (its own kernel) runs
