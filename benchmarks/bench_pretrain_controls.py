@@ -233,6 +233,37 @@ def estimate(plan: Plan, rows: tuple[str, ...], cache_dir: str) -> dict[str, Any
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def check_starts(runs: dict[float, dict[str, dict[int, dict]]], rtol: float = 1e-6) -> None:
+    """Refuse runs that did not start where their twins at the other rates started.
+
+    A row and seed start from the same weights at every rate and are evaluated on the same data before the first
+    step, so their step-0 validation losses agree (bit for bit on one machine). A cached run whose step-0 loss differs
+    from the majority trained on other code, e.g. from before a fix: the report stops and names its file to delete.
+    """
+    starts: dict[tuple[str, int], dict[float, float]] = {}
+    for lr, by_row in runs.items():
+        for row, by_seed in by_row.items():
+            for seed, run in by_seed.items():
+                step, loss = run["curve"][0]
+                if step == 0:
+                    starts.setdefault((row, seed), {})[lr] = loss
+    odd = []
+    for (row, seed), by_lr in sorted(starts.items()):
+        losses = list(by_lr.values())
+        usual = max(losses, key=lambda x: sum(math.isclose(x, y, rel_tol=rtol) for y in losses))
+        odd += [
+            f"{row} seed {seed} at lr {lr:g}: {loss:.6f} (the other rates: {usual:.6f})"
+            for lr, loss in by_lr.items()
+            if not math.isclose(loss, usual, rel_tol=rtol)
+        ]
+    if odd:
+        raise SystemExit(
+            "bench_pretrain_controls: runs whose step-0 validation loss differs from their own row and seed at the "
+            "other rates (trained on other code; delete their runs/<row>-seed<seed>.json and run again):\n  "
+            + "\n  ".join(odd)
+        )
+
+
 def compare(a: dict[int, dict], b: dict[int, dict]) -> dict[str, Any]:
     """a - b per shared seed at equal steps (final loss) and at equal compute: the dearer run's curve at the step where
     it has spent the cheaper one's training CPU time, against the cheaper one's last point (curve subset)."""
@@ -271,6 +302,7 @@ def contrasts(rows: tuple[str, ...]) -> list[tuple[str, str, str]]:
 def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str) -> dict[str, Any]:
     by_lr = cells(plan, width)
     runs = {lr: load(plan, cell, cache_dir) for lr, cell in by_lr.items()}
+    check_starts(runs)
     selection = selection_losses(plan, rows, runs)
     chosen = choose_lrs(plan, selection)
     compared = {

@@ -58,6 +58,22 @@ def test_plans_keep_selection_and_comparison_seeds_apart():
         dataclasses.replace(full, selection_seeds=(4, 100))
 
 
+def test_a_run_that_started_elsewhere_than_its_twins_at_the_other_rates_is_refused():
+    """Same row and seed at every rate: same weights, same data, so the same step-0 loss. One that differs trained on
+    other code (study 3 met two: runs started during a shared-read bug, fixed in b47c596) and is named."""
+
+    def run(start: float, first_step: int = 0) -> dict:
+        return {"curve": [[first_step, start], [50, start - 1.0]]}
+
+    runs = {lr: {"gpt2": {0: run(6.25), 1: run(6.31)}, "ref_dv4_cc": {0: run(6.2669711)}} for lr in (1e-3, 2e-3, 4e-3)}
+    controls.check_starts(runs)  # consistent
+    runs[2e-3]["gpt2"][1] = run(6.31, first_step=50)  # no step-0 point (a curve without one): not compared
+    controls.check_starts(runs)
+    runs[4e-3]["ref_dv4_cc"][0] = run(6.2721848)
+    with pytest.raises(SystemExit, match=r"ref_dv4_cc seed 0 at lr 0.004: 6.272185 \(the other rates: 6.266971\)"):
+        controls.check_starts(runs)
+
+
 def test_estimate_from_study_2_step_costs(tmp_path):
     plan = controls.PLANS["full"]
     costs = controls.step_costs(160, 1_311_200)
