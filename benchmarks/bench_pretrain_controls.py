@@ -375,7 +375,9 @@ def markdown(results: dict) -> str:
         f"{plan['comparison_seeds']} (disjoint) then run at that rate. Δ = row − control per comparison seed "
         "(same data order and backbone start), mean and 95% t-interval, at **equal steps** and at **equal compute** "
         "(the dearer run's curve where it has spent the cheaper one's training CPU time, measured in these runs, "
-        f"{max(1, plan['workers'])} run(s) at a time). Negative = the row has the lower validation loss.",
+        f"{max(1, plan['workers'])} run(s) at a time). Negative = the row has the lower validation loss. Runs are "
+        "cached across commits; every run's step-0 validation loss equals its row and seed's at the other rates "
+        "(checked before this report: the same starting function).",
     ]
     for size in results["analysis"]:
         lrs = plan["lrs"]
