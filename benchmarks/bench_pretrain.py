@@ -463,10 +463,12 @@ def train_one(args: argparse.Namespace, preset: Preset, variant: str, seed: int)
     import tempfile
 
     import torch
+    from _common import git_state
     from transformers import Trainer, default_data_collator
 
     from ddl_hf.training import DeltaTrainer, training_arguments, use_causal_lm_loss_accounting
 
+    code = git_state()  # the code this run imports (a cached run is reused by later commits)
     data = prepare_data(args, preset)
     model = use_causal_lm_loss_accounting(build_models(preset, data["stats"]["vocab_size"], variant, seed))
     curve_set = data["valid"].select(range(min(preset.curve_eval_blocks, len(data["valid"]))))
@@ -513,6 +515,7 @@ def train_one(args: argparse.Namespace, preset: Preset, variant: str, seed: int)
         "final_valid_loss": final,
         "step_cpu_seconds": timer.seconds / max(timer.steps, 1),
         "steps": timer.steps,
+        "code": code,
     }
     if VARIANTS[variant][1] is not None:
         result["beta_regimes"] = beta_regimes(model, data["valid"], 32)

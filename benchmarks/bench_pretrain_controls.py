@@ -19,6 +19,7 @@ same runs). Writes `benchmarks/results/pretrain_controls.{json,md,png}`.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import math
 import statistics
@@ -299,6 +300,18 @@ def contrasts(rows: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return out
 
 
+def code_versions(codes: list[dict | None]) -> dict[str, int]:
+    """How many runs each commit trained ("<hash> (dirty)" with uncommitted changes; "unrecorded": runs from before
+    bench_pretrain recorded it)."""
+    names = [
+        "unrecorded"
+        if c is None
+        else f"{c.get('commit') or 'not a git checkout'}" + (" (dirty)" if c.get("dirty") else "")
+        for c in codes
+    ]
+    return dict(sorted(collections.Counter(names).items()))
+
+
 def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str) -> dict[str, Any]:
     by_lr = cells(plan, width)
     runs = {lr: load(plan, cell, cache_dir) for lr, cell in by_lr.items()}
@@ -342,6 +355,8 @@ def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str)
                 "meaning": meaning,
                 "lrs": [chosen[row], chosen[control]],
             } | compare(compared[row], compared[control])
+    seeds = set(plan.selection_seeds) | set(plan.comparison_seeds)
+    code = [run.get("code") for r in runs.values() for row in rows for s, run in r.get(row, {}).items() if s in seeds]
     cell = next(iter(by_lr.values()))
     stats = scaling.prepare(plan.recipe(width), cell, cache_dir)["stats"]
     preset = bp.PRESETS[plan.base_preset]
@@ -354,6 +369,7 @@ def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str)
         "epochs": stats["epochs"],
         "rows": table,
         "comparisons": comparisons,
+        "code": code_versions(code),
     }
 
 
@@ -449,6 +465,12 @@ def markdown(results: dict) -> str:
                     )
                     + " |"
                 )
+        lines += [
+            "",
+            "Code that trained these runs (commit: runs): "
+            + ", ".join(f"{name}: {n}" for name, n in size.get("code", {}).items())
+            + ".",
+        ]
     est = results["estimate"]
     lines += [
         "",

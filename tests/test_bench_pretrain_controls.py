@@ -74,6 +74,17 @@ def test_a_run_that_started_elsewhere_than_its_twins_at_the_other_rates_is_refus
         controls.check_starts(runs)
 
 
+def test_code_versions_count_runs_per_commit():
+    codes = [{"commit": "abc1234", "dirty": False}] * 3 + [{"commit": "abc1234", "dirty": True}, None, None]
+    codes.append({"commit": None, "dirty": None, "error": "not a git checkout"})
+    assert controls.code_versions(codes) == {
+        "abc1234": 3,
+        "abc1234 (dirty)": 1,
+        "not a git checkout": 1,
+        "unrecorded": 2,
+    }
+
+
 def test_estimate_from_study_2_step_costs(tmp_path):
     plan = controls.PLANS["full"]
     costs = controls.step_costs(160, 1_311_200)
@@ -97,6 +108,9 @@ def test_quick_pipeline_writes_every_comparison_with_its_intervals(registered, t
     assert not set(saved["plan"]["selection_seeds"]) & set(saved["plan"]["comparison_seeds"])
     assert saved["provenance"]["command"] and "commit" in saved["provenance"]["git"] and saved["provenance"]["machine"]
     (size,) = saved["analysis"]
+    # Each run records the commit it trained at (this checkout's, dirty or not): all of them, none unrecorded.
+    assert sum(size["code"].values()) == saved["runs_done"] and "unrecorded" not in size["code"]
+    assert {name.removesuffix(" (dirty)") for name in size["code"]} == {saved["provenance"]["git"]["commit"]}
     for row, entry in size["rows"].items():
         assert entry["lr"] in plan.lrs and set(entry["selection"]) == {str(lr) for lr in plan.lrs}
         assert entry["seeds"] == list(plan.comparison_seeds)
