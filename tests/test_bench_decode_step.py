@@ -77,6 +77,31 @@ def test_a_variant_is_d_v_and_mode():
         bench.parse_variant("4-paper")
 
 
+def test_the_without_kernel_steps_never_reach_the_kernel():
+    """A spy kernel (it declines every residual, so the tensor ops still decode): the Delta stepper's steps call it,
+    the `WithoutKernel` copy's steps never do, and the spy is registered again after them."""
+    from ddl_hf.delta_ops import DeltaKernel, register_kernel, registered_kernel
+
+    calls = []
+    spy = DeltaKernel(forward=lambda *args: calls.append(1), backward=None, applies=lambda state: True)
+    prompt = torch.randint(0, SHAPES["tiny"]["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(4))
+    _, delta = build_pair(SHAPES["tiny"], 4, "paper")
+    before = registered_kernel("residual_step")
+    register_kernel("residual_step", spy)
+    try:
+        with_kernel, without = (
+            bench.Stepper(delta, prompt),
+            bench.WithoutKernel(bench.Stepper(delta, prompt), "residual_step"),
+        )
+        calls.clear()  # the prompts' forwards
+        without.step()
+        assert calls == [] and registered_kernel("residual_step") is spy
+        with_kernel.step()
+        assert len(calls) == 2 * delta.config.n_layer  # one per residual: attention and MLP of every layer
+    finally:
+        register_kernel("residual_step", before)
+
+
 @pytest.mark.slow
 def test_a_kernel_is_taken_away_only_for_its_own_steps_and_put_back(tmp_path):
     """`--without-kernel`: a copy of the Delta model steps with the kernel unregistered, the kernel is registered
