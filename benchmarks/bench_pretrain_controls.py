@@ -289,6 +289,18 @@ def compare(a: dict[int, dict], b: dict[int, dict]) -> dict[str, Any]:
     }
 
 
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (the family-wise error over all of `pvalues`, any dependence between them):
+    sorted ascending, the i-th smallest (from 0) becomes max over j <= i of min(1, (m - j) p_(j)). NaN stays NaN and
+    does not count in m."""
+    order = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
+    adjusted, running = [float("nan")] * len(pvalues), 0.0
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
 def contrasts(rows: tuple[str, ...]) -> list[tuple[str, str, str]]:
     """(row, control, what the difference isolates): the erase term at equal capacity, then each row vs the baseline."""
     out = [
@@ -355,6 +367,10 @@ def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str)
                 "meaning": meaning,
                 "lrs": [chosen[row], chosen[control]],
             } | compare(compared[row], compared[control])
+    # Every interval in the report is a test at 5%: the whole table (both budgets) is one family for Holm.
+    tests = [c[budget] for c in comparisons.values() for budget in ("equal_steps", "equal_compute")]
+    for test, adjusted in zip(tests, holm([t["p"] for t in tests]), strict=True):
+        test["p_holm"] = adjusted
     seeds = set(plan.selection_seeds) | set(plan.comparison_seeds)
     code = [run.get("code") for r in runs.values() for row in rows for s, run in r.get(row, {}).items() if s in seeds]
     cell = next(iter(by_lr.values()))
@@ -376,6 +392,11 @@ def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str)
 # ---------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def fmt_p(test: dict) -> str:
+    """The test's p-value and its Holm-adjusted one (a report from before Holm shows the first alone)."""
+    return f"{test['p']:.3f}" + (f" ({test['p_holm']:.3f})" if "p_holm" in test else "")
 
 
 def markdown(results: dict) -> str:
@@ -421,16 +442,20 @@ def markdown(results: dict) -> str:
             "",
             "### Paired differences (comparison seeds)",
             "",
-            "| row − control | isolates | lrs | n | step cost | Δ equal steps [95% CI] | | Δ equal compute [95% CI] "
-            "| |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "Each verdict reads its own 95% interval; p is the paired t-test's, and Holm's adjusts it for every test "
+            f"in this table ({2 * len(size['comparisons'])}: each comparison at both budgets), the family-wise error "
+            "at 5%: a difference whose Holm p is above 0.05 is not resolved once the table is read as a whole.",
+            "",
+            "| row − control | isolates | lrs | n | step cost | Δ equal steps [95% CI] | | p (Holm) "
+            "| Δ equal compute [95% CI] | | p (Holm) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in size["comparisons"].values():
             es, ec = c["equal_steps"], c["equal_compute"]
             lines.append(
                 f"| {bp.label(c['row'], 'llama')} − {bp.label(c['control'], 'llama')} | {c['meaning']} | "
                 f"{c['lrs'][0]:g} / {c['lrs'][1]:g} | {es['n']} | {c['cost_ratio']:.2f}× | {bp.fmt_ci(es)} | "
-                f"{bp.verdict(es)} | {bp.fmt_ci(ec)} | {bp.verdict(ec)} |"
+                f"{bp.verdict(es)} | {fmt_p(es)} | {bp.fmt_ci(ec)} | {bp.verdict(ec)} | {fmt_p(ec)} |"
             )
         lines += [
             "",

@@ -130,6 +130,7 @@ def test_quick_pipeline_writes_every_comparison_with_its_intervals(registered, t
             d = c[key]
             assert d["n"] == len(plan.comparison_seeds) and len(d["per_seed"]) == d["n"]
             assert math.isfinite(d["ci_low"]) and d["ci_low"] <= d["mean"] <= d["ci_high"]
+            assert d["p"] <= d["p_holm"] <= 1  # adjusted over the whole table: never below the test's own
     report = (out / "pretrain_controls_quick.md").read_text()
     assert "reference d_v=4 CC − reference d_v=4 CC write-only" in report and "β regimes" in report
     assert (out / "pretrain_controls_quick.png").stat().st_size > 10_000
@@ -137,3 +138,22 @@ def test_quick_pipeline_writes_every_comparison_with_its_intervals(registered, t
     again = controls.main([*argv, "--report-only"])
     assert again["analysis"][0]["comparisons"] == results["analysis"][0]["comparisons"]
     assert again["estimate"]["runs"] == 0 and results["estimate"]["runs"] == saved["runs_planned"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_holm_is_closed_testing_with_bonferroni(seed):
+    """Holm's adjusted p of a hypothesis is, by the closed testing principle, the largest Bonferroni p of any
+    intersection of hypotheses that contains it: max over subsets S containing i of min(1, |S| min_{j in S} p_j).
+    Brute force over every subset, with ties and a NaN (a test that could not run) among the p-values."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    ps = [rng.choice([rng.random() * 0.1, rng.random(), 0.02]) for _ in range(7)] + [float("nan")]
+    rng.shuffle(ps)
+    real = [i for i, p in enumerate(ps) if not math.isnan(p)]
+    subsets = [s for k in range(1, len(real) + 1) for s in itertools.combinations(real, k)]
+    reference = {i: max(min(1.0, len(s) * min(ps[j] for j in s)) for s in subsets if i in s) for i in real}
+    adjusted = controls.holm(ps)
+    assert all(adjusted[i] == pytest.approx(reference[i], abs=1e-12) for i in real)
+    assert [math.isnan(a) for a in adjusted] == [math.isnan(p) for p in ps]
