@@ -395,8 +395,8 @@ def analyse_width(plan: Plan, rows: tuple[str, ...], width: int, cache_dir: str)
 
 
 def fmt_p(test: dict) -> str:
-    """The test's p-value and its Holm-adjusted one (a report from before Holm shows the first alone)."""
-    return f"{test['p']:.3f}" + (f" ({test['p_holm']:.3f})" if "p_holm" in test else "")
+    """The test's p-value and, in brackets, its Holm-adjusted one."""
+    return f"{test['p']:.3f} ({test['p_holm']:.3f})"
 
 
 def markdown(results: dict) -> str:
