@@ -489,14 +489,17 @@ def fmt_test(d: dict) -> str:
     return f"{bp.fmt_ci(d)} (p {d['p']:.3f}, Holm {d['p_holm']:.3f})" if d["n"] >= 2 else bp.fmt_ci(d)
 
 
+def contrast_label(name: str) -> str:
+    row, control = name.split(" - ")
+    return f"{bp.label(row, 'llama')} − {bp.label(control, 'llama')}"
+
+
 def slope_verdict(d: dict) -> str:
-    if d["n"] < 2 or math.isnan(d["ci_low"]):
-        return "n too small"
-    if d["ci_high"] < 0:
-        return "Δ falls with length"
-    if d["ci_low"] > 0:
-        return "Δ rises with length"
-    return "no resolved trend"
+    """bench_pretrain's reading of an interval, said of a slope."""
+    words = bp.verdict(d)
+    return {"better": "Δ falls with length", "worse": "Δ rises with length", "within": "no resolved trend"}.get(
+        words.split()[0], words
+    )
 
 
 def markdown(results: dict) -> str:
@@ -543,28 +546,27 @@ def markdown(results: dict) -> str:
             f"| {s['tokens_per_param']:g} | {s['steps']} ({s['warmup']}) | {s['tokens']:,} | {s['passes']:.2f} | "
             f"{s['selection_seeds']} | {s['comparison_seeds']} | {tail} |"
         )
-    lines += ["", "## Rates (mean final validation loss over the selection seeds; bold = chosen)", ""]
+    lines += [
+        "",
+        "## Rates",
+        "",
+        "Mean final validation loss over the selection seeds at each rate tried (bold: chosen).",
+        "",
+        "| tokens/param | row | rate: loss | chosen |",
+        "|---|---|---|---|",
+    ]
     for s in sizes:
-        lrs = sorted({float(lr) for e in s["rows"].values() for lr in e["selection"]})
-        lines += [
-            f"**{s['tokens_per_param']:g} tokens/parameter**",
-            "",
-            "| row | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |",
-            "|---|" + "---|" * (len(lrs) + 1),
-        ]
         for entry in s["rows"].values():
+            tried = ", ".join(
+                ("**{}: {:.4f}**" if float(lr) == entry.get("lr") else "{}: {:.4f}").format(f"{float(lr):g}", loss)
+                for lr, loss in sorted(entry["selection"].items(), key=lambda item: float(item[0]))
+            )
             lr = entry.get("lr")
-            picks = [
-                ("**{:.4f}**" if float(x) == lr else "{:.4f}").format(entry["selection"][x])
-                if (x := str(v)) in entry["selection"]
-                else ""
-                for v in lrs
-            ]
             chosen = (
                 "pending" if lr is None else f"{lr:g}" + (f" ({controls.EDGE_NOTE})" if entry["lr_at_edge"] else "")
             )
-            lines.append(f"| {entry['label']} | " + " | ".join(picks) + f" | {chosen} |")
-        lines.append("")
+            lines.append(f"| {s['tokens_per_param']:g} | {entry['label']} | {tried} | {chosen} |")
+    lines.append("")
     names = list(dict.fromkeys(n for s in sizes for n in s["comparisons"]))
     lines += ["## Δ per length", ""]
     for key, title in (("equal_steps", "equal steps"), ("equal_compute", "equal compute")):
@@ -575,13 +577,11 @@ def markdown(results: dict) -> str:
             "|---|" + "---|" * len(sizes),
         ]
         for name in names:
-            row, control = name.split(" - ")
             cells_ = []
             for s in sizes:
                 c = s["comparisons"].get(name)
                 cells_.append("" if c is None else f"n={c[key]['n']}: {fmt_test(c[key])}; {c['cost_ratio']:.2f}×")
-            label = f"{bp.label(row, 'llama')} − {bp.label(control, 'llama')}"
-            lines.append(f"| {label} | " + " | ".join(cells_) + " |")
+            lines.append(f"| {contrast_label(name)} | " + " | ".join(cells_) + " |")
         lines.append("")
     lines += [
         "## The trend: slope of Δ against log2(tokens per parameter)",
@@ -590,16 +590,15 @@ def markdown(results: dict) -> str:
         "training length); mean over seeds with the slopes' 95% t-interval; Holm over this table. Negative = the row "
         "gains on its control as training lengthens.",
         "",
-        "| row − control | lengths | seeds | slope, equal steps | | slope, equal compute | |",
-        "|---|---|---|---|---|---|---|",
+        "| row − control | budget | lengths (tokens/param) | seeds | slope [95% CI] (p, Holm) | |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {contrast_label(name)} | {key.replace('_', ' ')} | {', '.join(f'{x:g}' for x in t['lengths'])} | "
+            f"{len(t['seeds'])} | {fmt_test(t[key])} | {slope_verdict(t[key])} |"
+            for name, t in a["trends"].items()
+            for key in ("equal_steps", "equal_compute")
+        ),
     ]
-    for name, t in a["trends"].items():
-        row, control = name.split(" - ")
-        es, ec = t["equal_steps"], t["equal_compute"]
-        lines.append(
-            f"| {bp.label(row, 'llama')} − {bp.label(control, 'llama')} | {', '.join(f'{x:g}' for x in t['lengths'])} "
-            f"| {len(t['seeds'])} | {fmt_test(es)} | {slope_verdict(es)} | {fmt_test(ec)} | {slope_verdict(ec)} |"
-        )
     lines += [
         "",
         "## β regimes per length",
@@ -608,27 +607,18 @@ def markdown(results: dict) -> str:
         "mean over the comparison seeds, at each row's chosen rate.",
         "",
     ]
+    residuals = next((list(e["beta_regimes"]) for s in sizes for e in s["rows"].values() if "beta_regimes" in e), [])
+    lines += ["| row | tokens/param | " + " | ".join(residuals) + " |", "|---|---|" + "---|" * len(residuals)]
     for row in results["rows"][1:]:
-        per = [
-            (s["tokens_per_param"], s["rows"][row]["beta_regimes"]) for s in sizes if "beta_regimes" in s["rows"][row]
-        ]
-        if not per:
-            continue
-        lines += [
-            f"**{bp.label(row, 'llama')}**",
-            "",
-            "| residual | " + " | ".join(f"{x:g} tokens/param" for x, _ in per) + " |",
-            "|---|" + "---|" * len(per),
-        ]
-        for res in per[0][1]:
-            lines.append(
-                f"| {res} | "
-                + " | ".join(
-                    f"{r[res]['keep']:.2f} / {r[res]['project']:.2f} / {r[res]['reflect']:.2f}" for _, r in per
+        for s in sizes:
+            shares = s["rows"][row].get("beta_regimes")
+            if shares:
+                cells_ = (
+                    f"{shares[r]['keep']:.2f} / {shares[r]['project']:.2f} / {shares[r]['reflect']:.2f}"
+                    for r in residuals
                 )
-                + " |"
-            )
-        lines.append("")
+                lines.append(f"| {bp.label(row, 'llama')} | {s['tokens_per_param']:g} | " + " | ".join(cells_) + " |")
+    lines.append("")
     lines += ["## Rows at their chosen rates", "", "| tokens/param | row | lr | seeds | final loss | s/step | curve "
               "lowest at step | drop over the last 10% |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in sizes:
@@ -678,7 +668,7 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = [s for s in results["analysis"]["lengths"] if s]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), layout="constrained")
     names = list(dict.fromkeys(n for s in sizes for n in s["comparisons"]))
     for ax, key in ((axes[0], "equal_steps"), (axes[1], "equal_compute")):
         for k, name in enumerate(names):
@@ -719,32 +709,25 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
     ax.set(xlabel="tokens per parameter seen", ylabel="validation loss (curve set)", title="Curves at every length")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes and steps: the pipeline in under a minute")
-    parser.add_argument("--no-extra", action="store_true", help="skip the extra rows (the d_v=1 write-only twin)")
-    parser.add_argument("--report-only", action="store_true", help="write the report from the finished runs")
-    parser.add_argument("--cache-dir", default=None, help="default: $DDL_HF_CACHE or ~/.cache/ddl_hf, /pretrain")
-    parser.add_argument("--output-dir", default=str(RESULTS))
     parser.add_argument("--workers", type=int, default=None, help="runs at a time (default: the plan's)")
+    parser.add_argument("--no-extra", action="store_true", help="skip the extra rows (the d_v=1 write-only twin)")
+    parser.add_argument("--output-dir", default=str(RESULTS), help="results and the kept runs (default: here)")
+    parser.add_argument("--cache-dir", default=None, help="default: $DDL_HF_CACHE or ~/.cache/ddl_hf, /pretrain")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the finished runs")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    plan = PLANS["quick" if args.quick else "full"]
-    if args.workers is not None:
-        plan = dataclasses.replace(plan, workers=args.workers)
+    base = PLANS["quick" if args.quick else "full"]
+    plan = base if args.workers is None else dataclasses.replace(base, workers=args.workers)
     groups = [plan.rows] + ([] if args.no_extra else [plan.extra_rows])
     rows = tuple(r for g in groups for r in g)
     controls.register_variants()
