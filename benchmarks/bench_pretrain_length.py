@@ -186,18 +186,20 @@ def select(plan: Plan, i: int, row: str, runs) -> Selection:
 
 
 def ensure_data(plan: Plan, cells: list[tuple[float, int]], cache_dir: str) -> None:
-    """Tokenise once per study, before the workers start: the cells differ only in steps, warm-up and rate, so a
-    new cell's data folder is a hard-linked copy of a prepared one's, with its own pass count."""
+    """Tokenise once per call, before the workers start: the cells differ only in steps, warm-up and rate, so a new
+    cell's data folder is a hard-linked copy of a prepared one's, with its own pass count."""
     preset, source = bp.PRESETS[plan.base_preset], None
     for length, exp in cells:
         target = folder(plan, length, exp, cache_dir)
-        if not (target / "data" / "stats.json").exists() and source is not None:
-            for part in ("tokenizer", "data/train", "data/valid"):
-                shutil.copytree(source / part, target / part, copy_function=os.link, dirs_exist_ok=True)
-            stats = json.loads((source / "data" / "stats.json").read_text())
-            stats["epochs"] = cell(plan, length, exp).steps * preset.batch_size / stats["train_blocks"]
-            (target / "data" / "stats.json").write_text(json.dumps(stats, indent=2))
-        scaling.prepare(plan.recipe(length).recipe(plan.width), cell(plan, length, exp), cache_dir)
+        if not (target / "data" / "stats.json").exists():
+            if source is None:
+                scaling.prepare(plan.recipe(length).recipe(plan.width), cell(plan, length, exp), cache_dir)
+            else:
+                for part in ("tokenizer", "data/train", "data/valid"):
+                    shutil.copytree(source / part, target / part, copy_function=os.link, dirs_exist_ok=True)
+                stats = json.loads((source / "data" / "stats.json").read_text())
+                stats["epochs"] = cell(plan, length, exp).steps * preset.batch_size / stats["train_blocks"]
+                (target / "data" / "stats.json").write_text(json.dumps(stats, indent=2))
         source = source or target
 
 
@@ -398,6 +400,7 @@ def analyse_length(plan: Plan, rows: tuple[str, ...], i: int, cache_dir: str) ->
             } | controls.compare(compared[row], compared[control])
     preset = bp.PRESETS[plan.base_preset]
     first = cell(plan, length, exps[0])
+    ensure_data(plan, [(length, exps[0])], cache_dir)  # runs restored into a fresh cache come without their data
     stats = json.loads((folder(plan, length, exps[0], cache_dir) / "data" / "stats.json").read_text())
     seeds = set(plan.selection_seeds[i]) | set(plan.comparison_seeds)
     code = [run.get("code") for r in cells.values() for row in rows for s, run in r.get(row, {}).items() if s in seeds]
