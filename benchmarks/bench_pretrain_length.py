@@ -549,6 +549,9 @@ def markdown(results: dict) -> str:
             f"| {s['tokens_per_param']:g} | {s['steps']} ({s['warmup']}) | {s['tokens']:,} | {s['passes']:.2f} | "
             f"{s['selection_seeds']} | {s['comparison_seeds']} | {tail} |"
         )
+    for x, planned in zip(plan["lengths"], results["planned_steps"], strict=True):
+        if x not in [s["tokens_per_param"] for s in sizes]:
+            lines.append(f"| {x:g} | {planned['steps']} ({planned['warmup']}) | not started | | | | | | | |")
     lines += [
         "",
         "## Rates",
@@ -611,7 +614,8 @@ def markdown(results: dict) -> str:
         "",
     ]
     residuals = next((list(e["beta_regimes"]) for s in sizes for e in s["rows"].values() if "beta_regimes" in e), [])
-    lines += ["| row | tokens/param | " + " | ".join(residuals) + " |", "|---|---|" + "---|" * len(residuals)]
+    if residuals:
+        lines += ["| row | tokens/param | " + " | ".join(residuals) + " |", "|---|---|" + "---|" * len(residuals)]
     for row in results["rows"][1:]:
         for s in sizes:
             shares = s["rows"][row].get("beta_regimes")
@@ -642,11 +646,12 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         "**What this cannot say.** One width (d = {w}, {p:,} parameters) and a {pmax:.2f}-pass corpus at the longest "
-        "length, against the authors' 124M parameters and about 400 tokens per parameter: the trend is measured over "
-        "{lo:g}–{hi:g} tokens per parameter only, and extrapolating it two decades further is a guess. Past one pass "
-        "the corpus repeats, so the longest lengths also measure memorisation (the curve columns above say whether "
-        "the validation loss was still falling at the end). Step costs, and so equal compute, are CPU costs measured "
-        "with {k} run(s) side by side on a shared machine. Rates come from a 2× ladder and few selection seeds.".format(
+        "length finished, against the authors' 124M parameters and about 400 tokens per parameter: the trend is "
+        "measured over {lo:g}–{hi:g} tokens per parameter only, and extrapolating it two decades further is a guess. "
+        "Past one pass the corpus repeats, so the longest lengths also measure memorisation (the curve columns "
+        "above say whether the validation loss was still falling at the end). Step costs, and so equal compute, are "
+        "CPU costs measured with {k} run(s) side by side on a shared machine. Rates come from a 2× ladder and few "
+        "selection seeds.".format(
             w=plan["width"],
             p=sizes[0]["params"] if sizes else 0,
             pmax=max((s["passes"] for s in sizes), default=0.0),
@@ -777,6 +782,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results = {
             "provenance": prov,
             "plan": dataclasses.asdict(plan),
+            "planned_steps": [dataclasses.asdict(cell(plan, x, 0)) for x in plan.lengths],
             "rows": list(rows),
             "runs_planned": finished + estimate(plan, groups, cache_dir)["runs"],
             "runs_done": finished,
