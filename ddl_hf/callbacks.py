@@ -20,10 +20,9 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from .inspection import KEEP_BELOW, REFLECT_ABOVE, beta_stats
 from .unwrap import find_delta_model
 
-#: Bin edges of the three regimes: keep (identity-like), project, reflect.
-KEEP_BELOW, REFLECT_ABOVE = 0.5, 1.5
 STATS = ("mean", "keep", "project", "reflect")
 #: Summary keys over all blocks, the only beta keys the console shows.
 SUMMARY_KEYS = ("beta_mean", "beta_max", "beta_keep")
@@ -37,20 +36,6 @@ def delta_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """
     inner = find_delta_model(model)
     return list(inner.delta_residuals(short_names=True).items()) if inner is not None else []
-
-
-def beta_stats(betas: torch.Tensor) -> dict[str, float]:
-    """Mean beta and the fraction of tokens in each regime, for a tensor of betas (any shape)."""
-    betas = betas.detach().float().flatten()
-    n = max(betas.numel(), 1)
-    keep = int((betas < KEEP_BELOW).sum())
-    reflect = int((betas > REFLECT_ABOVE).sum())
-    return {
-        "mean": float(betas.mean()) if betas.numel() else 0.0,
-        "keep": keep / n,
-        "project": (betas.numel() - keep - reflect) / n,
-        "reflect": reflect / n,
-    }
 
 
 class DeltaStatsCallback(TrainerCallback):

@@ -17,8 +17,24 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .callbacks import KEEP_BELOW, REFLECT_ABOVE, beta_stats
 from .unwrap import find_delta_model
+
+#: Bin edges of the three regimes: keep (identity-like), project, reflect.
+KEEP_BELOW, REFLECT_ABOVE = 0.5, 1.5
+
+
+def beta_stats(betas: torch.Tensor) -> dict[str, float]:
+    """Mean beta and the fraction of tokens in each regime, for a tensor of betas (any shape)."""
+    betas = betas.detach().float().flatten()
+    n = max(betas.numel(), 1)
+    keep = int((betas < KEEP_BELOW).sum())
+    reflect = int((betas > REFLECT_ABOVE).sum())
+    return {
+        "mean": float(betas.mean()) if betas.numel() else 0.0,
+        "keep": keep / n,
+        "project": (betas.numel() - keep - reflect) / n,
+        "reflect": reflect / n,
+    }
 
 
 @dataclass

@@ -14,7 +14,8 @@ Each Delta model type inherits the entries of the source model type it keeps the
 Why qualified names: peft matches a target by name suffix, and every Delta residual has its own `v_proj` (the value
 projection), so a bare `v_proj` would put adapters on the Delta residuals too.
 
-Registered on `import ddl_hf`. Without `ddl_hf` (Hub custom code only), pass the same names yourself, e.g.
+Registered by `import ddl_hf` as soon as peft is imported, before or after it (importing the models imports no
+peft). Without `ddl_hf` (Hub custom code only), pass the same names yourself, e.g.
 `LoraConfig(target_modules=["c_attn"])` (DeltaGPT), `["attn.q_proj", "attn.k_proj", "attn.v_proj"]` (DeltaNet) or
 `["self_attn.q_proj", "self_attn.v_proj"]` (DeltaLlama).
 """
@@ -22,6 +23,9 @@ Registered on `import ddl_hf`. Without `ddl_hf` (Hub custom code only), pass the
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
+
+import wrapt
 
 DELTA_NET_ATTENTION_TARGETS = ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
 
@@ -58,12 +62,25 @@ PEFT_SOURCES: dict[str, tuple[str, Callable[[list[str]], list[str]]]] = {
 
 def register_peft_targets(model_type: str = "delta_gpt") -> list[str]:
     """Add `model_type` (a key of `PEFT_SOURCES`) to every peft default-target table that has its source model type;
-    return the tables' names. Entries peft already has for `model_type` are left alone."""
-    source, adapt = PEFT_SOURCES[model_type]
+    return the tables' names. Entries peft already has for `model_type` are left alone. Imports peft (and with it
+    bitsandbytes, when installed); `import ddl_hf` uses `register_peft_targets_on_import` instead."""
     try:
         from peft.utils import constants
     except ImportError:  # peft is optional at run time
         return []
+    return add_targets(constants, model_type)
+
+
+def register_peft_targets_on_import(model_type: str = "delta_gpt") -> None:
+    """Register `model_type`'s default targets as soon as peft's tables are imported, by anyone (at once if they are
+    already). `import ddl_hf` uses this, so that importing the models imports no peft: peft imports bitsandbytes,
+    which takes seconds and, on some CPUs, logs a warning at import."""
+    wrapt.register_post_import_hook(lambda constants: add_targets(constants, model_type), "peft.utils.constants")
+
+
+def add_targets(constants: ModuleType, model_type: str) -> list[str]:
+    """Add `model_type`'s entries to the `TRANSFORMERS_MODELS_TO_*` tables of peft's `constants` module."""
+    source, adapt = PEFT_SOURCES[model_type]
     registered = []
     for name in dir(constants):
         table = getattr(constants, name)
@@ -78,7 +95,9 @@ __all__ = [
     "DELTA_NET_ATTENTION_TARGETS",
     "LLAMA_PROJECTION_SUBLAYERS",
     "PEFT_SOURCES",
+    "add_targets",
     "delta_gpt_targets",
     "delta_llama_targets",
     "register_peft_targets",
+    "register_peft_targets_on_import",
 ]

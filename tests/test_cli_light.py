@@ -86,10 +86,66 @@ def test_choice_mirrors_match_the_config_constants():
 
 
 def _one_error_line(stderr: str) -> str:
+    """Our part of stderr: one `error: ` line, last, and no traceback. Lines before it are tolerated: what another
+    package logs at import depends on the machine (bitsandbytes warns on AVX512-BF16 CPUs); that the commands import
+    none of the optional integrations is `test_failing_commands_import_no_optional_integration`'s to prove."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    ours = [line for line in lines if line.startswith("error: ")]
+    assert len(ours) == 1 and lines[-1] == ours[0], stderr
     assert "Traceback" not in stderr
-    return lines[0]
+    return ours[0]
+
+
+#: Integrations that only some functions need; `import ddl_hf` and the commands import none of them until one runs.
+OPTIONAL_INTEGRATIONS = ("peft", "bitsandbytes", "trl", "matplotlib", "datasets", "onnx", "onnxscript", "onnxruntime")
+
+
+def _optional_modules_after(code: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run `code` in a fresh interpreter, then list the optional integrations it imported (even when it failed)."""
+    probe = (
+        "import atexit, sys\n"
+        f"optional = {OPTIONAL_INTEGRATIONS!r}\n"
+        "atexit.register(lambda: print('OPTIONAL', *sorted(m for m in optional if m in sys.modules)))\n"
+        f"{code}\n"
+    )
+    done, _ = _run(probe)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("OPTIONAL"))
+    return done, line.split()[1:]
+
+
+def test_import_ddl_hf_imports_no_optional_integration():
+    """peft imports bitsandbytes (seconds; on AVX512-BF16 CPUs a warning at import): the models do not need either."""
+    done, optional = _optional_modules_after("import ddl_hf\nddl_hf.DeltaGPTConfig(); ddl_hf.convert_gpt2")
+    assert done.returncode == 0, done.stderr
+    assert optional == []
+
+
+def test_failing_commands_import_no_optional_integration(tmp_path):
+    for argv in (
+        ["inspect", "./does-not-exist", "--text", str(tmp_path / "missing.txt")],
+        ["convert", "--quiet", "--source", "./does-not-exist", "--output", str(tmp_path / "out")],
+        ["upgrade", "./does-not-exist", "--output", str(tmp_path / "up")],
+    ):
+        done, optional = _optional_modules_after(f"import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main({argv!r}))")
+        assert done.returncode == 1, (argv, done.stderr)
+        assert optional == [], argv
+
+
+@pytest.mark.parametrize("order", ["peft-first", "ddl_hf-first"])
+def test_peft_default_targets_are_registered_whichever_is_imported_first(order):
+    imports = ["import peft", "import ddl_hf"]
+    code = "\n".join(imports if order == "peft-first" else imports[::-1]) + (
+        "\nfrom peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as lora"
+        "\nprint('LORA', lora['delta_gpt'], lora['delta_llama'])"
+    )
+    done, _ = _run(code)
+    assert done.returncode == 0, done.stderr
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as lora
+
+    from ddl_hf.peft_targets import delta_gpt_targets, delta_llama_targets
+
+    expected = f"LORA {delta_gpt_targets(lora['gpt2'])} {delta_llama_targets(lora['llama'])}"
+    assert expected in done.stdout.splitlines(), done.stdout
 
 
 def test_inspect_missing_text_file_is_one_error_line(tmp_path):

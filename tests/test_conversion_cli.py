@@ -680,7 +680,7 @@ def test_tokenizer_loads_without_ddl_hf_and_without_prompt(converted_dir, tmp_pa
     assert done.stdout.startswith("GPT2Tokenizer ")
     assert "ddl_hf" not in done.stderr
     assert "[y/N]" not in done.stdout + done.stderr
-    assert "model of type" not in done.stderr and done.stderr.strip() == "", done.stderr
+    assert "model of type" not in done.stderr and "trust_remote_code" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
@@ -710,7 +710,9 @@ def test_tokenizer_loads_without_trust_remote_code_and_without_prompt(converted_
     assert done.returncode == 0, done.stderr
     reference = AutoTokenizer.from_pretrained(converted_dir, trust_remote_code=True)
     assert done.stdout.strip() == str(reference("hello world")["input_ids"])
-    assert "[y/N]" not in done.stdout + done.stderr and done.stderr.strip() == "", done.stderr
+    # Not "stderr is empty": what other packages log at import depends on the machine (bitsandbytes on AVX512-BF16).
+    assert "[y/N]" not in done.stdout + done.stderr, done.stderr
+    assert "trust_remote_code" not in done.stderr and "custom code" not in done.stderr, done.stderr
 
 
 def test_a_cli_run_reads_the_source_config_and_resolves_its_family_once(source_dir, tmp_path, monkeypatch):
