@@ -242,7 +242,7 @@ def test_bfloat16_conversion(source_dirs, sources, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(source_dirs["qwen3"], dtype=torch.bfloat16).eval()
     with torch.no_grad():
         difference = (model(HELD_OUT).logits.float() - reference(HELD_OUT).logits.float()).abs().max()
-    assert float(difference) == measured
+    assert float(difference) == pytest.approx(measured, rel=1e-3)  # the report's figure, printed to 4 digits
 
 
 def test_variant_flags_convert_exactly(source_dirs, sources, tmp_path):

@@ -12,6 +12,7 @@ import ddl_hf
 from ddl_hf.delta_ops import delta_update
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def random_unit(d: int, seed: int) -> torch.Tensor:
@@ -182,7 +183,8 @@ def test_beta_starts_exactly_at_delta_beta_init(beta_init: float, gate: str, tok
         if beta_init <= 1.0 or beta_init == 2.0:  # exact (see DeltaGPTConfig.delta_beta_init)
             assert torch.equal(beta, torch.full_like(beta, beta_init))
         else:
-            assert torch.allclose(beta, torch.full_like(beta, beta_init), rtol=0, atol=2e-7)
+            # a few roundings of beta: the vectorised sigmoid differs with the CPU's vector width
+            assert torch.allclose(beta, torch.full_like(beta, beta_init), rtol=0, atol=4 * EPS32 * 2)
 
 
 @pytest.mark.parametrize("mode", ["additive", "paper"])
