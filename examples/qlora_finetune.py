@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_base_arguments(parser)
     parser.add_argument("--delta", default=None, help="an already converted DeltaGPT / DeltaLlama directory")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random GPT-2 (2 layers, width 32): a quick run")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random GPT-2 (2 layers, width 64): a quick run")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--output-dir", default="outputs/qlora")
     parser.add_argument("--steps", type=int, default=None, help="default 30 (--tiny: 8)")
@@ -71,14 +71,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def tiny_gpt2(seed: int) -> GPT2LMHeadModel:
-    """A random 2-layer GPT-2 of width 32 with GPT-2's vocabulary. Every quantized Linear has a multiple of 32
-    outputs, as bitsandbytes' 4-bit CPU kernel for AVX512-BF16 processors needs (`N must be divisible by block_n`)."""
+    """A random 2-layer GPT-2 of width 64 with GPT-2's vocabulary. bitsandbytes' 4-bit CPU kernel for AVX512-BF16
+    processors needs every quantized Linear's outputs to be a multiple of 32 and its inputs a multiple of 64 (the
+    quantization block); width 32 fails there (docs/quantization.md)."""
     torch.manual_seed(seed)
     tokenizer = gpt2_tokenizer()
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=128,
-        n_embd=32,
+        n_embd=64,
         n_layer=2,
         n_head=2,
         bos_token_id=tokenizer.bos_token_id,
@@ -148,6 +149,21 @@ def lora_targets(config) -> list[str]:
     return [*attention, "mlp.c_fc", "mlp.c_proj"]
 
 
+def qlora_model(model: PreTrainedModel, args: argparse.Namespace) -> PeftModel:
+    """The quantized base ready to train: frozen, activation checkpointing on, LoRA adapters on the attention and MLP
+    projections, and the Delta residuals as trainable full-precision copies (unless `--freeze-delta`)."""
+    model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(
+        r=args.rank,
+        lora_alpha=2 * args.rank,
+        lora_dropout=0.0,
+        target_modules=lora_targets(model.config),
+        modules_to_save=None if args.freeze_delta else DELTA_MODULES,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = Path(args.output_dir)
@@ -165,47 +181,44 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.bits}-bit: {len(summary['quantized'])} attention/MLP Linears quantized, the {len(summary['kept'])} "
         f"Linears of the Delta residuals kept ({', '.join(sorted(kept_dtypes))})"
     )
-    # Freezes the base, upcasts what is left in half precision, turns on activation checkpointing.
-    model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(
-        r=args.rank,
-        lora_alpha=2 * args.rank,
-        lora_dropout=0.0,
-        target_modules=lora_targets(model.config),
-        modules_to_save=None if args.freeze_delta else DELTA_MODULES,
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
-    model.print_trainable_parameters()
-
     block_size = min(args.block_size, model.config.max_position_embeddings)
     data = lm_datasets(tokenizer, block_size, max_train_blocks=args.steps * args.batch_size, max_eval_blocks=8)
-    trainer = Trainer(
-        model=model,
-        args=training_arguments(
-            out / "trainer",
-            max_steps=args.steps,
-            per_device_train_batch_size=args.batch_size,
-            learning_rate=args.lr,
-            logging_steps=max(1, args.steps // 5),
-            seed=args.seed,
-            use_cpu=not torch.cuda.is_available(),
-        ),
-        train_dataset=data["train"],
-        eval_dataset=data["eval"],
-        data_collator=default_data_collator,
-    )
-    before = trainer.evaluate()["eval_loss"]
+
+    def trainer_for(model: PreTrainedModel) -> Trainer:
+        return Trainer(
+            model=qlora_model(model, args),
+            args=training_arguments(
+                out / "trainer",
+                max_steps=args.steps,
+                per_device_train_batch_size=args.batch_size,
+                learning_rate=args.lr,
+                logging_steps=max(1, args.steps // 5),
+                seed=args.seed,
+                use_cpu=not torch.cuda.is_available(),
+            ),
+            train_dataset=data["train"],
+            eval_dataset=data["eval"],
+            data_collator=default_data_collator,
+        )
+
+    # The loss before training, on this load (LoRA starts as the identity); then training on a fresh load: on CPUs
+    # with AVX512-BF16, bitsandbytes repacks 4-bit weights at the first inference call into a layout it cannot train.
+    before = trainer_for(model).evaluate()["eval_loss"]
+    trainer = trainer_for(load_quantized(base_dir, args.bits))
+    model = trainer.model
+    model.print_trainable_parameters()
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
     trained_parts = "LoRA" if args.freeze_delta else "LoRA + Delta"
     print(f"eval loss {before:.4f} -> {after:.4f} ({args.bits}-bit base, {trained_parts})")
-    model.save_pretrained(out / "adapter")
-
-    # The adapter on a freshly quantized base computes what the trained model computes.
+    # The adapter on a freshly quantized base computes what the trained model computes. The trained model's logits
+    # come first: on CPUs with AVX512-BF16, saving a 4-bit model that has run inference re-quantizes its
+    # double-quantized scales (bitsandbytes 0.50.2 unpacks its inference layout in place), which moves its logits.
     ids = torch.tensor(data["eval"]["input_ids"][:2], device=model.device)
     with torch.no_grad():
         trained = model.eval()(ids).logits
+    model.save_pretrained(out / "adapter")
+    with torch.no_grad():
         reloaded = PeftModel.from_pretrained(load_quantized(base_dir, args.bits), out / "adapter").eval()
         unmerged = reloaded(ids).logits
     reload_diff = float((unmerged - trained).abs().max())

@@ -6,8 +6,11 @@ saved ones, while the attention and MLP Linears become `Linear4bit` / `Linear8bi
 and after quantization (reported; bounded by what the quantized sublayers do to the gate's input), a LoRA adapter
 trained after `prepare_model_for_kbit_training`, the same names under a float16 load, and the example's Trainer path.
 
-Sizes: every quantized Linear has a multiple of 32 outputs, as bitsandbytes' 4-bit CPU kernel on AVX512-BF16
-processors needs (`N must be divisible by block_n`).
+Sizes: width 64. On a CPU with AVX512-BF16 (Intel Sapphire Rapids, AMD Zen 4 and later), bitsandbytes (0.50.2,
+`backends/cpu/ops.py` and `functional._convert_weight_packed_for_cpu`) repacks a 4-bit weight at its first inference
+call for a bf16 kernel that needs every quantized Linear's outputs to be a multiple of 32 (`block_n`) and its inputs
+a multiple of the quantization block, 64 (`absmax` becomes `[outputs, inputs // 64]`): width 32 fails there with
+"shape '[96, 0]' is invalid". Width 64 with 16-wide heads takes that path and every other CPU's path alike.
 """
 
 from __future__ import annotations
@@ -48,27 +51,30 @@ LORA_TARGETS = {
     "gpt": list(SUBLAYER_LINEARS["gpt"]),
     "llama": list(SUBLAYER_LINEARS["llama"]),  # qualified: a bare `v_proj` would match the Delta residuals' too
 }
+#: The models' width, and the Llama shape around it: 4 heads of 16 over 2 KV heads (k / v: 32 outputs), MLP 128.
+WIDTH = 64
+LLAMA_SHAPE = dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, head_dim=16)
 #: A few float32 roundings of beta in [0, 2] and of its logit.
 BETA_SLACK = 16 * torch.finfo(torch.float32).eps
 
 
 def build(kind: str) -> ddl_hf.DeltaGPTForCausalLM | ddl_hf.DeltaLlamaForCausalLM:
     """float32 Delta models with every gate open (beta per token in (0, 1.6)):
-    - gpt: a tiny GPT-2 converted (width 32, 2 layers);
+    - gpt: a tiny GPT-2 converted (width 64, 2 layers);
     - gpt_variants: the same with the paper's MLP gate, 4 value channels, TC reads and the EC expansion;
     - delta_net: a DeltaGPT with the DeltaNet token mixer, built from its config (nothing to convert from);
-    - llama, llama_variants: a tiny Llama converted (head_dim 16: k / v have 32 outputs), and with d_v 4 + TC + EC."""
+    - llama, llama_variants: a tiny Llama converted (`LLAMA_SHAPE`), and with d_v 4 + TC + EC."""
     variants = dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv")
     if kind == "gpt":
-        model = ddl_hf.convert_gpt2(gpt2_model())
+        model = ddl_hf.convert_gpt2(gpt2_model(n_embd=WIDTH))
     elif kind == "gpt_variants":
-        model = ddl_hf.convert_gpt2(gpt2_model(), delta_gate="mlp", delta_gate_hidden_size=32, **variants)
+        model = ddl_hf.convert_gpt2(gpt2_model(n_embd=WIDTH), delta_gate="mlp", delta_gate_hidden_size=32, **variants)
     elif kind == "delta_net":
-        model = delta_model(token_mixer="delta_net", delta_net_chunk_size=4)
+        model = delta_model(token_mixer="delta_net", delta_net_chunk_size=4, n_embd=WIDTH)
     elif kind == "llama":
-        model = to_delta(build_source("llama", head_dim=16))
+        model = to_delta(build_source("llama", **LLAMA_SHAPE))
     else:
-        model = to_delta(build_source("llama", head_dim=16), **variants)
+        model = to_delta(build_source("llama", **LLAMA_SHAPE), **variants)
     return open_gates(model.eval())
 
 
