@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -688,7 +689,9 @@ class DeltaPreTrainedMixin:
     # quantize. DeltaNet's beta projection (`attn.b_proj`, num_heads outputs) is kept out of quantization only: `$` ends
     # at the module name, so no parameter name matches and it keeps the model's dtype, as the mixer computes it.
     # Not `read_out`: a bare parameter, cast to the state's dtype where it is used, and the model's first parameter
-    # (`model.dtype`) when d_v > 1.
+    # (`model.dtype`) when d_v > 1. Each instance declares only the entries it has a module for (`post_init`), as
+    # transformers' `test_keep_in_fp32_modules_exist` asks; that test matches state-dict names, which the
+    # quantization-only `$` entry never does by design.
     _keep_in_fp32_modules = [r".+\.(?:attn|mlp)_delta", r".+\.attn\.b_proj$", "read_out_conv", "embed_expand"]
 
     def __init__(self, config, *inputs, **kwargs):
@@ -699,6 +702,15 @@ class DeltaPreTrainedMixin:
             # DeltaNet state have no static cache, so transformers' compiled generation cannot run; tools and tests
             # that read the flag skip it up front (the refusal in `_prepare_cache_for_generation` stays).
             self._can_compile_fullgraph = False
+
+    def post_init(self) -> None:
+        names = [name for name, _ in self.named_modules()]
+        self._keep_in_fp32_modules = [
+            entry
+            for entry in type(self)._keep_in_fp32_modules
+            if any(re.fullmatch(rf"(?:.*\.)?(?:{entry})", name) for name in names)
+        ]
+        super().post_init()
 
     def delta_residuals(self, short_names: bool = False) -> dict[str, nn.Module]:
         """Every Delta residual in forward order (per layer: attention, then MLP), by module name.

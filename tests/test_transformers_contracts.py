@@ -4,12 +4,14 @@ not), and chosen-layer hidden states come back in GPT-2's layout at every number
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
 import torch
-from builders import delta_model, gpt2_model
+from builders import CLIENT_VARIANTS, delta_model, gpt2_model
 
+import ddl_hf
 from ddl_hf.delta_compat import CACHE_ARG, LEGACY_CACHE_ARG
 
 
@@ -50,3 +52,60 @@ def test_chosen_layer_hidden_states_have_gpt2s_layout(d_v, chosen):
     for entry, whole in zip(got, full):
         assert entry is None or torch.equal(entry, whole)
     assert all(entry is None or entry.shape == (1, 4, delta.config.hidden_size) for entry in got)
+
+
+#: Entries kept out of quantization only: they end at a module name (`$`), so no state-dict or parameter name matches.
+QUANTIZATION_ONLY = {r".+\.attn\.b_proj$"}
+
+
+def keep_in_fp32_problems(model: torch.nn.Module) -> list[str]:
+    """transformers' `test_keep_in_fp32_modules_exist`, as it reads (test_modeling_common.py): every entry matches a
+    state-dict name at module boundaries; a quantization-only entry must name one of the model's modules instead."""
+    names = set(model.state_dict())
+    modules = [name for name, _ in model.named_modules()]
+    problems = []
+    for entry in model._keep_in_fp32_modules:
+        if entry in QUANTIZATION_ONLY:
+            found = any(re.fullmatch(rf"(?:.*\.)?(?:{entry})", name) for name in modules)
+        else:
+            found = any(re.search(rf"(?:^|\.){entry}(?:\.|$)", name) for name in names)
+        if not found:
+            problems.append(entry)
+    return problems
+
+
+def delta_llama(**delta) -> torch.nn.Module:
+    config = ddl_hf.DeltaLlamaConfig(
+        source_model_type="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **delta,
+    )
+    return ddl_hf.DeltaLlamaForCausalLM(config)
+
+
+LLAMA_VARIANTS = {
+    "llama-dv1": {},
+    "llama-dv4-tc-ec": dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv"),
+    "llama-dv4-cc": dict(delta_value_channels=4, delta_state_read="channel_conv"),
+}
+
+
+@pytest.mark.parametrize("name", [*CLIENT_VARIANTS, *LLAMA_VARIANTS])
+def test_keep_in_fp32_modules_names_only_modules_the_model_has(name):
+    model = delta_llama(**LLAMA_VARIANTS[name]) if name in LLAMA_VARIANTS else delta_model(**CLIENT_VARIANTS[name])
+    assert keep_in_fp32_problems(model) == []
+    # and every module the class may keep, that this model has, is still declared
+    has = {
+        entry
+        for entry in type(model)._keep_in_fp32_modules
+        if any(re.fullmatch(rf"(?:.*\.)?(?:{entry})", n) for n, _ in model.named_modules())
+    }
+    assert set(model._keep_in_fp32_modules) == has
+    assert r".+\.(?:attn|mlp)_delta" in has
+    assert ("embed_expand" in has) == (model.config.delta_embed_expand == "conv")
+    assert (r".+\.attn\.b_proj$" in has) == (getattr(model.config, "token_mixer", "attention") == "delta_net")
