@@ -1,4 +1,4 @@
-"""Study 5 (issue #50): does the Delta rows' deficit to the baseline shrink with training length?
+"""Study 5: does the Delta rows' deficit to the baseline shrink with training length?
 
 Studies 2 and 3 trained every row for about one token per parameter; the authors train about 400. This study keeps
 study 2's recipe (the Llama-style backbone, the authors' init and reference presets) at one width and trains it for
