@@ -678,6 +678,8 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
     sizes = [s for s in results["analysis"]["lengths"] if s]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), layout="constrained")
     names = list(dict.fromkeys(n for s in sizes for n in s["comparisons"]))
+    colour = {row: "black" if row == bp.BASELINE else f"C{k}" for k, row in enumerate(results["rows"])}
+    lengths = results["plan"]["lengths"]
     for ax, key in ((axes[0], "equal_steps"), (axes[1], "equal_compute")):
         for k, name in enumerate(names):
             points = [(s["tokens_per_param"], s["comparisons"][name][key]) for s in sizes if name in s["comparisons"]]
@@ -689,16 +691,17 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
             ]
             row, control = name.split(" - ")
             ls = "-" if control == bp.BASELINE else ":"
-            ax.errorbar(x, y, yerr=err, fmt="o" + ls, capsize=3, label=f"{bp.label(row, 'llama')} − {control}")
+            ax.errorbar(x, y, yerr=err, fmt="o" + ls, capsize=3, color=colour[row], label=contrast_label(name))
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xscale("log", base=2)
+        ax.set_xlim(min(lengths) / 1.5, max(lengths) * 1.5)
         ax.set(xlabel="training tokens per parameter", ylabel="Δ validation loss (95% CI)", title=key.replace("_", " "))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     ax, labelled = axes[2], set()
     for s in sizes:
         tokens_per_step = s["tokens"] / s["steps"] / s["params"]
-        for k, (row, e) in enumerate(s["rows"].items()):
+        for row, e in s["rows"].items():
             if "curve_shape" not in e:
                 continue
             mine = curves[f"{s['tokens_per_param']:g}"][row]
@@ -707,12 +710,13 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
             ax.plot(
                 [max(st, 1) * tokens_per_step for st in steps],
                 mean,
-                color="black" if row == bp.BASELINE else f"C{k}",
+                color=colour[row],
                 lw=0.9,
                 label=None if row in labelled else e["label"],
             )
             labelled.add(row)
     ax.set_xscale("log", base=2)
+    ax.set_xlim(left=1 / 64)
     ax.set_ylim(top=sizes[0]["unigram"] + 0.5 if sizes else None)
     ax.set(xlabel="tokens per parameter seen", ylabel="validation loss (curve set)", title="Curves at every length")
     if ax.get_legend_handles_labels()[0]:
