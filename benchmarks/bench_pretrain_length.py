@@ -94,7 +94,7 @@ PLANS = {
         first_grid=(-2, -1, 0, 1, 2),  # 7.5e-4 .. 1.2e-2: study 2's d = 80 sweep chose both of its ends
         neighbours=1,
         max_extend=2,
-        selection_seeds=((100, 101), (100, 101), (100,)),  # 16x: one seed, its runs are 3/4 of the budget
+        selection_seeds=((100, 101), (100, 101), (100,)),  # 16x: one seed, its runs are 2/3 of the budget
         comparison_seeds=(0, 1, 2, 3, 4),
     ),
     "quick": Plan(
