@@ -20,7 +20,7 @@ from .delta_compat import takes_cache
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from .delta_layers import DeltaWindowsMixin, autocast_off
-from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent
+from .delta_ops import delta_rule
 
 
 class DeltaNetCacheLayer(LinearAttentionLayer):
@@ -207,11 +207,9 @@ class DeltaNetAttention(nn.Module):
         # The delta rule in float32 with autocast off (as the Delta residual): under bf16/fp16 autocast its matmuls
         # would otherwise round the state every token. It returns v's dtype.
         with autocast_off(hidden_states.device.type):
-            rule = dict(erase=self.erase, document_starts=document_starts)
-            if seq_len == 1:  # decoding: one rank-1 update (a shape-only branch: export with T >= 2 never sees it)
-                o, state = delta_rule_recurrent(q, k, v, beta, initial_state, **rule)
-            else:
-                o, state = delta_rule_chunkwise(q, k, v, beta, self.chunk_size, initial_state, **rule)
+            o, state = delta_rule(
+                q, k, v, beta, self.chunk_size, initial_state, erase=self.erase, document_starts=document_starts
+            )
         if cache is not None:
             cache.update_recurrent_state(state.detach(), self.layer_idx, num_new_tokens=seq_len)
 

@@ -11,7 +11,7 @@ beside it (as fla keeps `naive.py` beside its kernels; the tests compare the two
 | TC read (temporal conv, then the read vector) | `temporal_conv_read` | `temporal_conv(...).sum(-1)` |
 | CC read (channel conv, then the read vector) | `channel_conv_read` | `channel_conv(X, W) @ r` |
 | EC expansion of the embedding | `temporal_conv` | itself |
-| DeltaNet rule over time | `delta_rule_chunkwise` | `delta_rule_recurrent` |
+| DeltaNet rule over time | `delta_rule` (a kernel, or `delta_rule_chunkwise`) | `delta_rule_recurrent` |
 | a residual's gate, value and write, inference | `residual_step` (a kernel or None) | `DeltaResidual.update` |
 
 Optional kernels (the native CPU kernels of `ddl_hf.native`, any later GPU kernel) register with an entry point
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -47,6 +48,9 @@ class DeltaKernel(NamedTuple):
       `_FusedDeltaUpdate.backward` define them.
     - `"tc_read"`: `forward(x, weight, past, same_document) -> read` and `backward(grad, x, weight, past,
       same_document, need_x, need_weight) -> (d_x, d_weight)`, as `_TemporalConvRead` defines them.
+    - `"delta_rule"` (`backward` None: its forward is differentiable): `forward(q, k, v, beta, initial_state, erase,
+      document_starts) -> (o, final_state) or None`, the inputs and outputs of `delta_rule_recurrent`; None where the
+      kernel does not take these inputs (the tensor ops then run).
     - `"residual_step"` (inference only, `backward` None): `forward(residual, state, x, c, h) -> (new_state, beta
       [...]) or None`: a whole Delta residual after its branch, gate, value and write, as `DeltaResidual.update`
       defines it (the reference); None where the kernel does not take this residual (its tensor ops then run).
@@ -59,8 +63,9 @@ class DeltaKernel(NamedTuple):
     applies: Callable[[torch.Tensor], bool]
 
 
-KERNEL_OPS = ("delta_update", "tc_read", "residual_step")
+KERNEL_OPS = ("delta_update", "tc_read", "residual_step", "delta_rule")
 INFERENCE_OPS = ("residual_step",)  # run only without autograd: no backward
+AUTOGRAD_OPS = ("delta_rule",)  # the kernel's forward is differentiable itself (fla's ops): no backward
 # One registry for every copy of this file: the package's, and each copy that transformers loads as Hub custom code
 # (`transformers_modules.<repo>.delta_ops`), so that a kernel registered through `ddl_hf` reaches those models too.
 _REGISTRY = "ddl_hf_delta_kernels"
@@ -77,7 +82,7 @@ def register_kernel(op: str, kernel: DeltaKernel | None) -> None:
     if kernel is None:
         _KERNELS.pop(op, None)
     elif not all(
-        callable(getattr(kernel, name, None)) or (name == "backward" and op in INFERENCE_OPS)
+        callable(getattr(kernel, name, None)) or (name == "backward" and op in INFERENCE_OPS + AUTOGRAD_OPS)
         for name in DeltaKernel._fields
     ):
         raise TypeError(f"register_kernel: expected a DeltaKernel(forward, backward, applies), got {type(kernel)}.")
@@ -735,7 +740,48 @@ def delta_rule_chunkwise(
     return o.to(out_dtype), state
 
 
+_warned_no_gpu_kernel = False
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    *,
+    erase: bool = True,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeltaNet mixer's entry point: a registered "delta_rule" kernel where it takes these inputs (fla's, on
+    CUDA: `ddl_hf.fla_kernels`), else the tensor ops: one recurrent step when decoding one token, the chunkwise form
+    otherwise. Same inputs and outputs as `delta_rule_recurrent`. On CUDA without a kernel, one warning."""
+    kernel = _kernel_for("delta_rule", v)
+    if kernel is not None:
+        out = kernel.forward(q, k, v, beta, initial_state, erase, document_starts)
+        if out is not None:
+            return out
+    elif v.is_cuda and not torch.compiler.is_compiling():
+        _warn_no_gpu_kernel()
+    if q.shape[2] == 1:  # decoding: one rank-1 update (a shape-only branch: export with T >= 2 never sees it)
+        return delta_rule_recurrent(q, k, v, beta, initial_state, erase=erase, document_starts=document_starts)
+    return delta_rule_chunkwise(q, k, v, beta, chunk_size, initial_state, erase=erase, document_starts=document_starts)
+
+
+def _warn_no_gpu_kernel() -> None:
+    global _warned_no_gpu_kernel
+    if not _warned_no_gpu_kernel:
+        _warned_no_gpu_kernel = True
+        warnings.warn(
+            "DeltaNet on CUDA runs the torch chunkwise form of the delta rule: flash-linear-attention's kernels are "
+            "faster. Install them (`pip install 'ddl-hf[fla]'`, or `fla-core`) and `import ddl_hf` before loading.",
+            stacklevel=3,
+        )
+
+
 __all__ = [
+    "AUTOGRAD_OPS",
     "INFERENCE_OPS",
     "KERNEL_OPS",
     "DeltaKernel",
@@ -743,6 +789,7 @@ __all__ = [
     "channel_conv_read",
     "channel_conv_read_weight",
     "delta_gate",
+    "delta_rule",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",

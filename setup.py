@@ -40,6 +40,9 @@ setup(
     extras_require={
         # ddl_hf.native: the optional native kernels, built on first use (also needs a C++ compiler)
         "native": ["ninja>=1.11"],
+        # ddl_hf.fla_kernels: flash-linear-attention's delta-rule kernels for the DeltaNet mixer on CUDA (a CUDA
+        # torch brings Triton)
+        "fla": ["fla-core>=0.6"],
         "dev": [
             "ninja>=1.11",  # tests/test_native_kernels.py builds the native kernels
             "pytest>=8",
@@ -55,6 +58,9 @@ setup(
             # tests/test_qlora.py, examples/qlora_finetune.py: 4- and 8-bit loading, on the CPU too (0.50.2 tested);
             # needs torch>=2.4 and no torch of its own
             "bitsandbytes>=0.50.2",
+            # tests/test_fla_kernels.py: fla's kernels run on the CPU through Triton's interpreter
+            "fla-core>=0.6",
+            "triton>=3.3",
         ],
     },
     entry_points={

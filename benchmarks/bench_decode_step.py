@@ -43,8 +43,8 @@ from _common import provenance, write_results
 from bench_overhead import SHAPES, build_pair
 
 from ddl_hf.delta_compat import cache_argument, cache_of
-from ddl_hf.delta_ops import KERNEL_OPS, register_kernel, registered_kernel
-from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
+from ddl_hf.delta_ops import register_kernel, registered_kernel
+from ddl_hf.native import NATIVE_OPS, disable_native_kernels, enable_native_kernels, native_build_problem
 
 MODELS = ("gpt2", "twin", "delta")
 
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--without-kernel",
-        choices=KERNEL_OPS,
+        choices=NATIVE_OPS,
         help="also time DeltaGPT with this op's native kernel unregistered: what the kernel earns, in one process",
     )
     parser.add_argument("--profile", action="store_true", help="add the per-operator breakdown")

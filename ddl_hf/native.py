@@ -24,9 +24,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from .delta_ops import KERNEL_OPS, DeltaKernel, register_kernel
+from .delta_ops import DeltaKernel, register_kernel
 
 _SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
+NATIVE_OPS = ("delta_update", "tc_read", "residual_step")  # the ops these kernels take
 _FLAGS = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised loops, no OpenMP runtime
 _kernels: Any = None
 
@@ -144,5 +145,5 @@ def enable_native_kernels(verbose: bool = False) -> None:
 
 def disable_native_kernels() -> None:
     """Back to the tensor ops for every Delta update and TC read."""
-    for op in KERNEL_OPS:
+    for op in NATIVE_OPS:
         register_kernel(op, None)

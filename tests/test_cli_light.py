@@ -98,6 +98,8 @@ def _one_error_line(stderr: str) -> str:
 
 #: Integrations that only some functions need; `import ddl_hf` and the commands import none of them until one runs.
 OPTIONAL_INTEGRATIONS = ("peft", "bitsandbytes", "trl", "matplotlib", "datasets", "onnx", "onnxscript", "onnxruntime")
+OPTIONAL_INTEGRATIONS += ("fla",)  # the DeltaNet kernels: registered when installed, imported on first use (not
+# Triton: torch itself imports it when installed)
 
 
 def _optional_modules_after(code: str) -> tuple[subprocess.CompletedProcess, list[str]]:

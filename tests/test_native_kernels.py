@@ -40,7 +40,6 @@ from test_variants import variant_model
 import ddl_hf.native as native
 from ddl_hf.delta_layers import DeltaResidual, DeltaStateConv
 from ddl_hf.delta_ops import (
-    KERNEL_OPS,
     DeltaKernel,
     fused_delta_update,
     register_kernel,
@@ -50,7 +49,7 @@ from ddl_hf.delta_ops import (
     temporal_conv_read,
 )
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
-from ddl_hf.native import NativeKernelUnavailable, disable_native_kernels, enable_native_kernels
+from ddl_hf.native import NATIVE_OPS, NativeKernelUnavailable, disable_native_kernels, enable_native_kernels
 
 TC = dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper")
 
@@ -58,9 +57,9 @@ TC = dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="
 @pytest.fixture(autouse=True)
 def no_kernel_leaks():
     """Every test starts and ends with the tensor ops: a registration never leaks into another test."""
-    assert all(registered_kernel(op) is None for op in KERNEL_OPS)
+    assert all(registered_kernel(op) is None for op in NATIVE_OPS)
     yield
-    assert all(registered_kernel(op) is None for op in KERNEL_OPS)
+    assert all(registered_kernel(op) is None for op in NATIVE_OPS)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,7 @@ class Counting:
 def count_registered_kernels() -> Counting:
     """Replace every registered kernel by a wrapper that counts its calls."""
     spy = Counting()
-    for op in KERNEL_OPS:
+    for op in NATIVE_OPS:
         register_kernel(op, spy.wrap(op, registered_kernel(op)))
     return spy
 
@@ -114,8 +113,8 @@ def spy(kernels):
 @contextlib.contextmanager
 def tensor_ops():
     """The entry points' own tensor ops, whatever is registered; the registrations come back after."""
-    registered = {op: registered_kernel(op) for op in KERNEL_OPS}
-    for op in KERNEL_OPS:
+    registered = {op: registered_kernel(op) for op in NATIVE_OPS}
+    for op in NATIVE_OPS:
         register_kernel(op, None)
     try:
         yield
@@ -585,7 +584,7 @@ def test_registration_is_process_wide_reversible_and_attaches_nothing_to_a_model
         assert module_attributes(built_before) == attributes
     finally:
         disable_native_kernels()
-    assert all(registered_kernel(op) is None for op in KERNEL_OPS)
+    assert all(registered_kernel(op) is None for op in NATIVE_OPS)
     disable_native_kernels()  # twice: still the tensor ops, no error
     spy.calls.clear()
     with torch.no_grad():
@@ -631,15 +630,17 @@ def test_register_kernel_refuses_unknown_ops_and_other_objects():
     def forward(*args):
         raise AssertionError("never called")
 
-    with pytest.raises(ValueError, match=r"unknown op 'cc_read'.*\('delta_update', 'tc_read', 'residual_step'\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown op 'cc_read'.*\('delta_update', 'tc_read', 'residual_step', 'delta_rule'\)"
+    ):
         register_kernel("cc_read", DeltaKernel(forward, forward, lambda x: True))
-    with pytest.raises(TypeError, match="expected a DeltaKernel"):  # only an inference op has no backward
+    with pytest.raises(TypeError, match="expected a DeltaKernel"):  # only an inference or autograd op has no backward
         register_kernel("delta_update", DeltaKernel(forward, None, lambda x: True))
     with pytest.raises(TypeError, match="expected a DeltaKernel"):
         register_kernel("delta_update", (forward, forward, lambda x: True))  # a plain tuple
     with pytest.raises(TypeError, match="expected a DeltaKernel"):
         register_kernel("tc_read", forward)
-    assert all(registered_kernel(op) is None for op in KERNEL_OPS)
+    assert all(registered_kernel(op) is None for op in NATIVE_OPS)
 
 
 def test_a_machine_without_a_compiler_gets_an_error_that_names_it(monkeypatch):
@@ -647,4 +648,4 @@ def test_a_machine_without_a_compiler_gets_an_error_that_names_it(monkeypatch):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(NativeKernelUnavailable, match=r"no C\+\+ compiler .*works without them"):
         enable_native_kernels()
-    assert all(registered_kernel(op) is None for op in KERNEL_OPS)  # nothing registered: the tensor ops run
+    assert all(registered_kernel(op) is None for op in NATIVE_OPS)  # nothing registered: the tensor ops run

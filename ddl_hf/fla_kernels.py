@@ -1,0 +1,73 @@
+"""flash-linear-attention's delta-rule kernels for the DeltaNet mixer on CUDA (`pip install 'ddl-hf[fla]'`).
+
+`fla` (the `fla-core` package) is the field's library for the delta rule: Triton kernels for the chunked form
+(`chunk_delta_rule`, half precision) and the recurrent one (`fused_recurrent_delta_rule`), with their own backward.
+`import ddl_hf` registers them with `delta_ops`' "delta_rule" entry point when fla is installed (found, not imported:
+fla and Triton load on the first CUDA call). They run where they apply, as transformers' Qwen3-Next uses fla's gated
+delta rule: CUDA tensors, outside `torch.compile` (inductor compiles the torch form into its own kernels there). The
+torch forms run everywhere else, and on CUDA without fla `delta_ops.delta_rule` warns once.
+
+The mapping (`fla_delta_rule`), ours -> fla: q, k, v `[B, H, T, d]` -> `[B, T, H, d]`; beta `[B, H, T]` ->
+`[B, T, H]`; the state `[B, H, d_v, d_k]` (o = S q) -> fla's `[B, H, K, V]` (its transpose); `scale=1` (DeltaNet's
+read is S q, unscaled; fla defaults to 1/sqrt(K)); q and k arrive unit-norm, so fla's in-kernel l2norm stays off.
+The chunked kernel takes bf16 / fp16 inputs; float32 models take the recurrent kernel. Declined (the torch forms
+run): the write-only rule (`erase=False`, which fla has no kernel for) and packed rows (`document_starts`): fla
+takes them as `cu_seqlens`, whose lengths its kernels read on the host, and the models keep every forward free of
+host reads. tests/test_fla_kernels.py checks the mapping on the CPU through Triton's interpreter against
+`delta_rule_recurrent`; on a GPU, `benchmarks/gpu_check.py` runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .delta_ops import DeltaKernel, register_kernel
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def fla_available() -> bool:
+    """Whether fla can be imported here (without importing it: it imports Triton, which takes seconds)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def fla_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    erase: bool,
+    document_starts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`delta_rule_recurrent`'s result through fla's kernels, or None where they do not take these inputs."""
+    if not erase or document_starts is not None:
+        return None
+    from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+
+    rule = chunk_delta_rule if v.dtype in HALF and q.shape[2] > 1 else fused_recurrent_delta_rule
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, T, H, d]
+    beta = beta.transpose(1, 2).to(v.dtype).contiguous()  # [B, T, H]
+    if initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2).float().contiguous()  # [B, H, d_k, d_v]
+    o, state = rule(q, k, v, beta, scale=1.0, initial_state=initial_state, output_final_state=True)
+    return o.transpose(1, 2), state.transpose(-1, -2)
+
+
+def applies(x: torch.Tensor) -> bool:
+    return x.is_cuda and not torch.compiler.is_compiling()
+
+
+def enable_fla_kernels() -> None:
+    """Register fla's kernels with the DeltaNet rule (what `import ddl_hf` does when fla is installed)."""
+    register_kernel("delta_rule", DeltaKernel(fla_delta_rule, None, applies))
+
+
+def disable_fla_kernels() -> None:
+    """Back to the torch forms of the delta rule."""
+    register_kernel("delta_rule", None)
+
+
+__all__ = ["disable_fla_kernels", "enable_fla_kernels", "fla_available", "fla_delta_rule"]

@@ -1,0 +1,213 @@
+"""flash-linear-attention's delta-rule kernels behind the DeltaNet mixer (`ddl_hf.fla_kernels`).
+
+What a CPU can check: the argument mapping, numerically, through Triton's interpreter (`TRITON_INTERPRET=1`, set
+before Triton is imported, hence a subprocess) for fla's recurrent kernel, against our recurrent reference; which
+kernel is chosen and with what arguments (a stub fla); the entry point's dispatch and fallback; the registration on
+`import ddl_hf`. What it cannot: fla's chunked kernel (it needs a GPU driver even under the interpreter: it is called
+with the recurrent kernel's arguments, checked here with the stub) and any speed (`benchmarks/gpu_check.py` on a
+device).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from builders import delta_model
+
+from ddl_hf import delta_ops
+from ddl_hf.delta_ops import DeltaKernel, delta_rule, delta_rule_chunkwise, register_kernel, registered_kernel
+from ddl_hf.fla_kernels import fla_available, fla_delta_rule
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_FLA = fla_available() and importlib.util.find_spec("triton") is not None
+
+
+def inputs(seq_len: int, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """DeltaNet's inputs: unit-norm q, k `[B, H, T, d_k]`, v `[B, H, T, d_v]` (d_v != d_k: a transposed state shows),
+    beta in (0, 2) (the negative-eigenvalue range), a random initial state `[B, H, d_v, d_k]`."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, d_k, d_v = 2, 2, 16, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(b, h, seq_len, d_k, generator=g), dim=-1) for _ in range(2))
+    return dict(
+        q=q.to(dtype),
+        k=k.to(dtype),
+        v=torch.randn(b, h, seq_len, d_v, generator=g).to(dtype),
+        beta=(2 * torch.rand(b, h, seq_len, generator=g)).to(dtype),
+        initial_state=torch.randn(b, h, d_v, d_k, generator=g).to(dtype),
+    )
+
+
+@pytest.fixture
+def restore_delta_rule_kernel():
+    before = registered_kernel("delta_rule")
+    yield
+    register_kernel("delta_rule", before)
+
+
+SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_fla_kernels import inputs
+from ddl_hf.delta_ops import delta_rule_recurrent
+from ddl_hf.fla_kernels import fla_delta_rule
+
+out = {}
+for seq_len in (1, 12):
+    x = inputs(seq_len)
+    o, state = fla_delta_rule(**x, erase=True, document_starts=None)
+    o32, state32 = delta_rule_recurrent(**x)
+    o64, state64 = delta_rule_recurrent(**{k: v.double() for k, v in x.items()})
+    out[seq_len] = {
+        name: [float((a.double() - ref).abs().max()), float((b.double() - ref).abs().max()), float(ref.abs().max())]
+        for name, a, b, ref in (("o", o, o32, o64), ("state", state, state32, state64))
+    }
+    out[seq_len]["shapes"] = [list(o.shape), list(state.shape), str(o.dtype), str(state.dtype)]
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAVE_FLA, reason="fla-core and triton are not installed (the dev extra installs them)")
+def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference():
+    """fla's recurrent kernel, our layout mapped to its own, against our reference in float64: within 4x the float32
+    error of our own reference (the same rounding argument as tests/rounding.py), for T = 1 (a decoding step) and
+    12, with an initial state and d_v != d_k."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ROOT / "tests")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    eps = torch.finfo(torch.float32).eps
+    for seq_len, errors in result.items():
+        assert errors["shapes"] == [[2, 2, int(seq_len), 8], [2, 2, 8, 16], "torch.float32", "torch.float32"]
+        for name in ("o", "state"):
+            fla_error, our_error, scale = errors[name]
+            assert fla_error <= 4 * max(our_error, 4 * eps * scale), (seq_len, name, errors[name])
+
+
+class StubRule:
+    """Records what the kernel is called with; answers with tensors of fla's output layout."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, beta, *, scale, initial_state, output_final_state):
+        self.calls.append(dict(q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state))
+        b, t, h, d_k = k.shape
+        return torch.zeros(b, t, h, v.shape[-1], dtype=v.dtype), torch.zeros(b, h, d_k, v.shape[-1])
+
+
+@pytest.fixture
+def stub_fla(monkeypatch):
+    chunk, recurrent = StubRule(), StubRule()
+    module = types.ModuleType("fla.ops.delta_rule")
+    module.chunk_delta_rule, module.fused_recurrent_delta_rule = chunk, recurrent
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.delta_rule", module)
+    return chunk, recurrent
+
+
+@pytest.mark.parametrize(
+    ("dtype", "seq_len", "chosen"),
+    [
+        (torch.bfloat16, 12, "chunk"),
+        (torch.float16, 12, "chunk"),
+        (torch.bfloat16, 1, "recurrent"),
+        (torch.float32, 12, "recurrent"),
+    ],
+)
+def test_the_chunked_kernel_takes_half_precision_sequences_with_the_same_arguments(stub_fla, dtype, seq_len, chosen):
+    chunk, recurrent = stub_fla
+    x = inputs(seq_len, dtype)
+    o, state = fla_delta_rule(**x, erase=True, document_starts=None)
+    called, other = (chunk, recurrent) if chosen == "chunk" else (recurrent, chunk)
+    assert len(called.calls) == 1 and not other.calls
+    call = called.calls[0]
+    assert call["scale"] == 1.0  # DeltaNet reads S q unscaled; fla's default is 1 / sqrt(d_k)
+    for name in ("q", "k", "v"):
+        assert torch.equal(call[name], x[name].transpose(1, 2))  # [B, T, H, d]
+    assert torch.equal(call["beta"], x["beta"].transpose(1, 2).to(dtype))  # [B, T, H]
+    assert torch.equal(call["initial_state"], x["initial_state"].transpose(-1, -2).float())  # fla's [B, H, d_k, d_v]
+    assert o.shape == x["v"].shape and state.shape == x["initial_state"].shape  # back in our layout
+
+
+def test_the_write_only_rule_and_packed_rows_take_the_torch_forms(stub_fla):
+    x = inputs(5)
+    starts = torch.zeros(2, 5, dtype=torch.bool)
+    assert fla_delta_rule(**x, erase=False, document_starts=None) is None  # fla has no write-only kernel
+    assert fla_delta_rule(**x, erase=True, document_starts=starts) is None  # its varlen path reads on the host
+    assert not stub_fla[0].calls and not stub_fla[1].calls
+
+
+def test_the_entry_point_runs_a_kernel_that_applies_and_falls_back_when_it_declines(restore_delta_rule_kernel):
+    x = inputs(7)
+    state = x.pop("initial_state")
+    calls = []
+
+    def declining(*args):
+        calls.append("declined")
+        return None
+
+    register_kernel("delta_rule", DeltaKernel(declining, None, lambda t: True))
+    expected = delta_rule_chunkwise(**x, chunk_size=4, initial_state=state)
+    result = delta_rule(**x, chunk_size=4, initial_state=state)
+    assert calls == ["declined"] and all(torch.equal(a, b) for a, b in zip(result, expected))
+
+    answer = (torch.zeros(1), torch.ones(1))
+    register_kernel("delta_rule", DeltaKernel(lambda *args: answer, None, lambda t: True))
+    assert delta_rule(**x, chunk_size=4, initial_state=state) is answer
+    register_kernel("delta_rule", DeltaKernel(lambda *args: pytest.fail("ran where it does not apply"), None, never))
+    assert all(torch.equal(a, b) for a, b in zip(delta_rule(**x, chunk_size=4, initial_state=state), expected))
+
+
+def never(tensor: torch.Tensor) -> bool:
+    return False
+
+
+def test_the_delta_net_mixer_calls_the_entry_point_once_per_layer(restore_delta_rule_kernel):
+    counted = []
+
+    def spy(*args):
+        counted.append(args[0].shape)
+        return None  # the torch forms then run
+
+    model = delta_model(token_mixer="delta_net", delta_net_chunk_size=4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+        register_kernel("delta_rule", DeltaKernel(spy, None, lambda t: True))
+        logits = model(ids).logits
+    assert len(counted) == model.config.n_layer and torch.equal(logits, expected)
+
+
+def test_without_a_kernel_cuda_warns_once(monkeypatch):
+    monkeypatch.setattr(delta_ops, "_warned_no_gpu_kernel", False)
+    with pytest.warns(UserWarning, match=r"fla-core") as seen:
+        delta_ops._warn_no_gpu_kernel()
+        delta_ops._warn_no_gpu_kernel()
+    assert len(seen) == 1
+
+
+def test_import_ddl_hf_registers_fla_where_it_is_installed():
+    kernel = registered_kernel("delta_rule")
+    if fla_available():
+        assert kernel is not None and kernel.forward is fla_delta_rule
+        assert not kernel.applies(torch.zeros(1))  # never on the CPU
+    else:
+        assert kernel is None
+    # that `import ddl_hf` imports neither fla nor Triton: tests/test_cli_light.py (a fresh interpreter)
