@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 from builders import CLIENT_VARIANTS, delta_model, gpt2_model
+from test_delta_llama import build_source, to_delta
 
-import ddl_hf
 from ddl_hf.delta_compat import CACHE_ARG, LEGACY_CACHE_ARG
 
 
@@ -74,20 +74,6 @@ def keep_in_fp32_problems(model: torch.nn.Module) -> list[str]:
     return problems
 
 
-def delta_llama(**delta) -> torch.nn.Module:
-    config = ddl_hf.DeltaLlamaConfig(
-        source_model_type="llama",
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **delta,
-    )
-    return ddl_hf.DeltaLlamaForCausalLM(config)
-
-
 LLAMA_VARIANTS = {
     "llama-dv1": {},
     "llama-dv4-tc-ec": dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv"),
@@ -97,7 +83,10 @@ LLAMA_VARIANTS = {
 
 @pytest.mark.parametrize("name", [*CLIENT_VARIANTS, *LLAMA_VARIANTS])
 def test_keep_in_fp32_modules_names_only_modules_the_model_has(name):
-    model = delta_llama(**LLAMA_VARIANTS[name]) if name in LLAMA_VARIANTS else delta_model(**CLIENT_VARIANTS[name])
+    if name in LLAMA_VARIANTS:
+        model = to_delta(build_source("llama"), **LLAMA_VARIANTS[name])
+    else:
+        model = delta_model(**CLIENT_VARIANTS[name])
     assert keep_in_fp32_problems(model) == []
     # and every module the class may keep, that this model has, is still declared
     has = {
