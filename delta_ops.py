@@ -433,7 +433,8 @@ class _TemporalConvRead(torch.autograd.Function):
             if same_document is not None:
                 g = g * same_document[:, rows, j, None].to(g.dtype)
             g = g.unsqueeze(-1)
-            if grad_x is not None and x_rows is not None:
+            # isinstance, not `x_rows is not None`: dynamo guards a compiled backward on that slice's length
+            if grad_x is not None and isinstance(x_rows, slice):
                 grad_x[:, x_rows].addcmul_(g, w[..., j])
             if grad_w is not None:
                 grad_w[..., j] += (g * source).sum((0, 1))

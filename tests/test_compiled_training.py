@@ -36,7 +36,6 @@ LENGTHS = (8, 12, 16)
 #: Found by this test, not fixed yet: variants that compile once per sequence length, and why. The entry goes when
 #: the cause is fixed (the assertion then fails, as it should).
 ONE_GRAPH_PER_LENGTH = {
-    "paper-dv4-tc": "the TC read's autograd.Function backward adds a guard on the length (Eq(T - 3, 9) at T = 12)",
     "delta_net": "the chunkwise form hands the state over in a Python loop: one graph per number of chunks (the "
     "export path's `scan` takes any number)",
 }
