@@ -8,6 +8,9 @@ float32's rounding, and the error this machine's float32 run makes against it is
 from __future__ import annotations
 
 import copy
+import hashlib
+import platform
+from pathlib import Path
 
 import torch
 
@@ -38,3 +41,17 @@ def assert_close_to_saved(model: torch.nn.Module, saved: torch.Tensor, *args, **
         logits = model(*args, **kwargs).logits
     torch.testing.assert_close(logits, saved, rtol=0, atol=2 * bound)
     return bound
+
+
+def machine() -> str:
+    """This CPU: its model name and a digest of its feature flags (which vector units the kernels may take). Outputs
+    are bit-identical across runs only where the machine and the torch build are the same."""
+    cpuinfo = Path("/proc/cpuinfo")
+    fields = {}
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
+    return f"{name} (flags {flags})"

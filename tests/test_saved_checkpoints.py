@@ -1,6 +1,8 @@
-"""Directories saved before the layers-over-ops redesign (tests/data/ddl_hf_0_2, written by commit b72347a with
-`make_fixtures.py` beside them) load with today's code and give the logits and greedy tokens that code computed. The
-saved outputs are the reference, not today's code.
+"""Directories saved by earlier code load with today's code and give the logits and greedy tokens that code computed:
+tests/data/ddl_hf_0_2 (commit b72347a, before the layers-over-ops redesign) and tests/data/main_e568c07 (before the
+read became a module of the block and its parameters were renamed), both written by tests/data/make_fixtures.py. The
+saved outputs are the reference, not today's code. A directory also round-trips: loaded, saved and loaded again, it
+computes the same, and its weights keep the names they were saved under (transformers' renaming is undone on save).
 
 They were computed on another machine, whose float32 kernels may sum in another order (another vector width or BLAS
 path): bit-identity holds only where both sides run on one machine. The bound is measured, not guessed: today's model
@@ -18,16 +20,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from rounding import float64_logits_and_bound
+from rounding import float64_logits_and_bound, machine
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 
-FIXTURES = Path(__file__).parent / "data" / "ddl_hf_0_2"
-NAMES = sorted(path.name for path in FIXTURES.iterdir() if path.is_dir())
-WRITTEN_WITH = json.loads((FIXTURES / "written_with.json").read_text())
+DATA = Path(__file__).parent / "data"
+FOLDERS = ("ddl_hf_0_2", "main_e568c07")
+FIXTURES = [path for folder in FOLDERS for path in sorted((DATA / folder).iterdir()) if path.is_dir()]
 NEW_TOKENS = 4
+
+
+def written_with(folder: Path) -> dict[str, str]:
+    return json.loads((folder.parent / "written_with.json").read_text())
+
+
+def this_machine_wrote(folder: Path) -> bool:
+    """Whether this CPU and torch build wrote `folder`: then its outputs are ours bit for bit."""
+    saved = written_with(folder)
+    return saved.get("machine") == machine() and saved["torch"] == torch.__version__
 
 
 def mismatches(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> list[str]:
@@ -64,21 +76,47 @@ def mismatches(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> lis
     return problems
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module", params=FIXTURES, ids=lambda folder: f"{folder.parent.name}/{folder.name}")
 def fixture(request) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    folder = FIXTURES / request.param
-    return AutoModelForCausalLM.from_pretrained(folder).eval(), load_file(folder / "expected.safetensors")
+    folder = request.param
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model.fixture_folder = folder
+    return model, load_file(folder / "expected.safetensors")
 
 
 def test_every_fixture_is_found():
-    assert len(NAMES) == 8 and "llama-dv4-tc" in NAMES and "delta_net-dv1" in NAMES
-    assert WRITTEN_WITH["commit"] == "b72347a"
+    names = {folder.name for folder in FIXTURES}
+    assert len(FIXTURES) == 17 and {"llama-dv4-tc", "delta_net-dv1", "llama-reference-cc-ec-dv4"} <= names
+    assert [written_with(DATA / folder / "x")["commit"] for folder in FOLDERS] == ["b72347a", "e568c07"]
 
 
 @pytest.mark.compat
-def test_a_directory_saved_before_the_redesign_computes_what_it_computed(fixture):
+def test_a_directory_saved_earlier_computes_what_it_computed(fixture):
     model, expected = fixture
     assert mismatches(model, expected) == []
+    if this_machine_wrote(model.fixture_folder):
+        with torch.no_grad():
+            logits = model(expected["input_ids"], attention_mask=expected["attention_mask"]).logits
+        assert torch.equal(logits, expected["logits"]), "the machine that wrote the directory computes other logits"
+
+
+def test_a_directory_round_trips_through_save_and_load(fixture, tmp_path):
+    """Load -> save -> load: the same weights under the names they were saved with, and the same logits."""
+    model, expected = fixture
+    model.save_pretrained(tmp_path)
+    saved_names = set(safe_open_keys(model.fixture_folder / "model.safetensors"))
+    assert set(safe_open_keys(tmp_path / "model.safetensors")) == saved_names
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids, mask = expected["input_ids"], expected["attention_mask"]
+    with torch.no_grad():
+        assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+def safe_open_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
 
 
 def test_the_check_catches_a_gate_moved_by_a_thousandth(fixture):

@@ -1,0 +1,452 @@
+"""PyTorch DeltaLlama: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose every residual is a Delta residual.
+
+Each layer is the family's own `input_layernorm -> self_attn -> residual, post_attention_layernorm -> mlp ->
+residual`; both residual connections become `DeltaResidual`s (`delta_layers.py`: the same module as DeltaGPT's,
+both modes, any d_v, the variants). The attention, MLP, RMSNorm and rotary embedding are the family's own
+transformers classes, chosen by `config.source_model_type`, so attention backends, GQA, RoPE scaling, QK-norm
+(Qwen3) and sliding windows carry over, and the parameter names are the family's: a converted checkpoint loads under
+its own names.
+
+Reads top to bottom like `modeling_llama.py`: the family table, the decoder layer, the pretrained base, the model
+and the causal LM head. The Delta residual itself, its state convolutions and caches live in `delta_layers.py`.
+
+Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
+(`configuration_delta_llama.py`, `delta_layers.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained`
+copies next to the weights.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+# First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
+from .delta_compat import (
+    CACHE_ARG,
+    OutputRecorder,
+    cache_argument,
+    cache_of,
+    capture_outputs,
+    merge_with_config_defaults,
+    slice_logits_to_keep,
+    takes_cache,
+)
+
+# isort: split
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.mistral.modeling_mistral import (
+    MistralAttention,
+    MistralMLP,
+    MistralRMSNorm,
+    MistralRotaryEmbedding,
+)
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.utils import can_return_tuple
+
+from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
+from .delta_layers import (
+    DeltaConvContext,
+    DeltaEmbedExpand,
+    DeltaPreTrainedMixin,
+    DeltaResidual,
+    DeltaStateCache,
+    DeltaStateConv,
+    DeltaStateMixin,
+    check_token_ids,
+    hidden_states_contract,
+    packed_document_starts,
+    spectral_std,
+    with_delta_outputs,
+)
+
+
+class FamilyModules(NamedTuple):
+    """The transformers classes a DeltaLlama layer borrows from its source family."""
+
+    attention: type[nn.Module]
+    mlp: type[nn.Module]
+    norm: type[nn.Module]
+    rotary: type[nn.Module]
+
+
+FAMILY_MODULES: dict[str, FamilyModules] = {
+    "llama": FamilyModules(LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding),
+    "mistral": FamilyModules(MistralAttention, MistralMLP, MistralRMSNorm, MistralRotaryEmbedding),
+    "qwen2": FamilyModules(Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2RotaryEmbedding),
+    "qwen3": FamilyModules(Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding),
+}
+assert set(FAMILY_MODULES) == set(DELTA_LLAMA_FAMILIES)
+
+
+def family_modules(config: DeltaLlamaConfig) -> FamilyModules:
+    """The family's classes, or a ValueError listing the supported families."""
+    if config.source_model_type not in FAMILY_MODULES:
+        raise ValueError(
+            f"source_model_type={config.source_model_type!r} is not supported; DeltaLlama supports "
+            f"{', '.join(FAMILY_MODULES)}."
+        )
+    return FAMILY_MODULES[config.source_model_type]
+
+
+def attention_layer_types(config: DeltaLlamaConfig) -> list[str]:
+    """Each layer's attention kind as its family's model decides it: Qwen2/Qwen3 from `layer_types`, Mistral
+    sliding everywhere when `sliding_window` is set, Llama always full."""
+    layers = config.num_hidden_layers
+    if config.source_model_type in ("qwen2", "qwen3"):
+        return list(config.layer_types)
+    if config.source_model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * layers
+    return ["full_attention"] * layers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
+    """The family's decoder layer (pre-norm attention then MLP) whose two residual connections are Delta residuals."""
+
+    def __init__(self, config: DeltaLlamaConfig, layer_idx: int):
+        super().__init__()
+        family = family_modules(config)
+        self.hidden_size = config.hidden_size
+        self.layer_idx = layer_idx
+        self.shared_read = config.delta_shared_read
+
+        self.self_attn = family.attention(config=config, layer_idx=layer_idx)
+        self.attn_delta = DeltaResidual(config)
+        self.mlp = family.mlp(config)
+        self.mlp_delta = DeltaResidual(config, owns_read=not config.delta_shared_read)
+        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def delta_residuals(self) -> dict[str, tuple[DeltaResidual, nn.Module]]:
+        """{attribute name: (Delta residual, the RMSNorm that produces its sublayer and gate input)}."""
+        return {
+            "attn_delta": (self.attn_delta, self.input_layernorm),
+            "mlp_delta": (self.mlp_delta, self.post_attention_layernorm),
+        }
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        delta_context: DeltaConvContext | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`X = attn_delta(X, self_attn . input_layernorm); X = mlp_delta(X, mlp . post_attention_layernorm)`. Returns
+        the new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
+
+        def attention(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = self.input_layernorm(x)
+            out, _ = self.self_attn(
+                hidden_states=c,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **cache_argument(cache),
+                **kwargs,
+            )
+            return c, out
+
+        def mlp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = self.post_attention_layernorm(x)
+            return c, self.mlp(c)
+
+        attn_key, mlp_key = f"layers.{self.layer_idx}.attn", f"layers.{self.layer_idx}.mlp"  # the windows' keys
+        shared = mlp_key if self.shared_read else None  # delta_shared_read: attn_delta also reads for mlp_delta
+        hidden_states, attn_beta, *read = self.attn_delta(
+            hidden_states, attention, delta_context, attn_key, read_next=shared
+        )
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, mlp, delta_context, mlp_key, *read)
+        return hidden_states, attn_beta, mlp_beta
+
+
+DeltaLlamaModelOutput = with_delta_outputs("DeltaLlamaModelOutput", BaseModelOutputWithPast)
+DeltaLlamaCausalLMOutput = with_delta_outputs("DeltaLlamaCausalLMOutput", CausalLMOutputWithPast)
+
+
+class DeltaLlamaPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
+    """The family's pretrained base (transformers' default init) plus the Delta init, `delta_residuals()`,
+    `delta_parameters()` and the exact init of the Delta parameters a source checkpoint lacks."""
+
+    config: DeltaLlamaConfig
+    config_class = DeltaLlamaConfig
+    base_model_prefix = "model"
+    layers_attribute = "layers"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeltaLlamaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache, under either name
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": DeltaLlamaDecoderLayer,
+        # The family's attention class differs per config: matched by its module name instead.
+        "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
+        "betas": [OutputRecorder(DeltaLlamaDecoderLayer, index=1), OutputRecorder(DeltaLlamaDecoderLayer, index=2)],
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The family's initialisation (transformers' default) plus the Delta parameters (`init_delta_weights`)."""
+        super()._init_weights(module)
+        self.init_delta_weights(module)
+
+
+class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
+    def __init__(self, config: DeltaLlamaConfig):
+        super().__init__(config)
+        config.validate_delta_residual()
+        family = family_modules(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.value_channels = config.delta_value_channels
+        self.layer_types = attention_layer_types(config)
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([DeltaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        # Reads the expanded state [.., D, d_v] out to [.., D] before the final norm; TC / CC read it like every
+        # sublayer's input; EC expands the embedding (docs/variants.md).
+        self.read_out = nn.Parameter(torch.empty(self.value_channels)) if self.value_channels > 1 else None
+        size = config.delta_conv_size
+        self.read_out_conv = (
+            DeltaStateConv(config.delta_state_read, config.hidden_size, self.value_channels, size)
+            if config.delta_state_read != "linear"
+            else None
+        )
+        self.embed_expand = (
+            DeltaEmbedExpand(config.hidden_size, self.value_channels, size)
+            if config.delta_embed_expand == "conv"
+            else None
+        )
+        self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
+        self.embed_tokens = new_embeddings
+
+    @takes_cache
+    @merge_with_config_defaults
+    @hidden_states_contract
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DeltaLlamaModelOutput:
+        r"""
+        Same inputs as the family's `XxxModel.forward`. `output_betas=True` returns `betas`: one `[batch, seq_len]`
+        tensor per Delta residual. With `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of
+        the expanded states, and `output_expanded_states=True` returns the states `[.., hidden_size, d_v]`.
+
+        The family's forward (embeddings, masks, rotary, layers, norm) plus the Delta steps: the state expansion
+        over the value channels, the convolution windows of the temporal variants, and the read-out before `norm`.
+        """
+        for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
+            kwargs.pop(flag, None)
+        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `hidden_states_contract`
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_token_ids(input_ids, self.config.vocab_size)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        temporal = self.config.delta_temporal
+        if use_cache and cache is None:
+            cache = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
+        self.check_window_cache(cache)
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        batch_size, seq_len = inputs_embeds.shape[:2]
+
+        document_starts = None
+        if temporal:  # packed rows: the convolution windows restart at each document
+            cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
+            document_starts = packed_document_starts(position_ids, cu_seq_lens, (batch_size, seq_len), past_seen_tokens)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        # It may already have been prepared by e.g. `generate`
+        if not isinstance(causal_mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                **cache_argument(cache),
+                "position_ids": position_ids,
+            }
+            causal_mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if "sliding_attention" in self.layer_types:
+                causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        token_mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+        checkpointing = self.gradient_checkpointing and self.training
+        delta_context = DeltaConvContext(
+            token_mask=token_mask,
+            cache=cache if temporal and not checkpointing else None,
+            document_starts=document_starts,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states = self.expand_state(hidden_states, delta_context)
+
+        reads = []  # d_v > 1 with hidden states: their entries, in the graph (`record_read`)
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            if hand_over_final_state:
+                hidden_states = self.record_read(hidden_states, reads)
+            hidden_states, *_ = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask_mapping[self.layer_types[i]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache if not checkpointing else None,  # recomputed layers must not write to it twice
+                use_cache=use_cache,
+                delta_context=delta_context,
+                **kwargs,
+            )
+
+        final_state = hidden_states
+        hidden_states = self.norm(self.read_state_out(hidden_states, delta_context))
+        return DeltaLlamaModelOutput(
+            last_hidden_state=hidden_states,
+            **cache_argument(cache if use_cache else None),
+            # d_v > 1: the final expanded state and the reads, for `hidden_states_contract`, which replaces them.
+            expanded_states=(final_state, *reads) if hand_over_final_state else None,
+        )
+
+
+class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DeltaLlamaConfig):
+        super().__init__(config)
+        self.model = DeltaLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """`generate` builds a DynamicCache from the config; a temporal variant needs the cache with its windows."""
+        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
+        if not self.config.delta_temporal or not wants_new_cache:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported with a temporal "
+                "Delta variant (its cache keeps convolution windows). Leave cache_implementation unset."
+            )
+        model_kwargs[CACHE_ARG] = DeltaStateCache(self.config)
+
+    @takes_cache
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> DeltaLlamaCausalLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Labels for language modeling; shifted inside the model, so `labels = input_ids` works. -100 is ignored.
+        """
+        outputs: DeltaLlamaModelOutput = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return DeltaLlamaCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            **cache_argument(cache_of(outputs)),
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            betas=outputs.betas,
+            expanded_states=outputs.expanded_states,
+        )
+
+
+# The authors' residual output projections (their `attn.o_proj` and `mlp.o_proj`), under the Llama family's names.
+REFERENCE_OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+@torch.no_grad()
+def init_reference_backbone(model: nn.Module, embedding_std: float = 0.02) -> nn.Module:
+    """Initialise a Llama-style backbone (a DeltaLlama, or the family's own model) as the authors' code does at
+    `delta_layers.REFERENCE_COMMIT` (`init_utils.init_gpt_weights`); returns the model.
+
+    The (tied) embedding N(0, `embedding_std`); every other backbone matrix N(0, spectral_std(fan_in, fan_out)) with
+    their factor 0.5, divided by the number of layers for the projections that write to the residual (attention and
+    MLP output); norms at one. Delta parameters are left to `delta_init` (call this after building the model)."""
+    layers = model.config.num_hidden_layers
+    delta = {id(p) for p in model.delta_parameters().values()} if hasattr(model, "delta_parameters") else set()
+    embedding = model.get_input_embeddings().weight
+    for name, parameter in model.named_parameters():
+        if id(parameter) in delta:
+            continue
+        if parameter is embedding:
+            init.normal_(parameter, mean=0.0, std=embedding_std)
+        elif parameter.dim() >= 2:
+            fan_out = parameter.shape[0]
+            std = spectral_std(parameter.numel() // fan_out, fan_out)
+            init.normal_(parameter, mean=0.0, std=std / layers if name.endswith(REFERENCE_OUTPUT_PROJECTIONS) else std)
+        elif name.endswith("norm.weight"):
+            init.ones_(parameter)
+        else:
+            raise ValueError(f"init_reference_backbone: no rule for {name} {tuple(parameter.shape)} (a bias?)")
+    return model
+
+
+__all__ = [
+    "DeltaLlamaDecoderLayer",
+    "DeltaLlamaForCausalLM",
+    "DeltaLlamaModel",
+    "DeltaLlamaPreTrainedModel",
+    "init_reference_backbone",
+]
