@@ -19,8 +19,9 @@ from .delta_compat import takes_cache
 # isort: split
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
-from .delta_layers import DeltaWindowsMixin, autocast_off
+from .delta_layers import autocast_off
 from .delta_ops import delta_rule
+from .delta_reads import DeltaWindowsMixin
 
 
 class DeltaNetCacheLayer(LinearAttentionLayer):

@@ -12,7 +12,7 @@ beside it (as fla keeps `naive.py` beside its kernels; the tests compare the two
 | CC read (channel conv, then the read vector) | `channel_conv_read` | `channel_conv(X, W) @ r` |
 | EC expansion of the embedding | `temporal_conv` | itself |
 | DeltaNet rule over time | `delta_rule` (a kernel, or `delta_rule_chunkwise`) | `delta_rule_recurrent` |
-| a residual's gate, value and write, inference | `residual_step` (a kernel or None) | `DeltaResidual.update` |
+| a residual's gate, value and write, inference | `residual_step` (a kernel or None) | `DeltaResidual`'s tensor ops |
 
 Optional kernels (the native CPU kernels of `ddl_hf.native`, any later GPU kernel) register with an entry point
 through `register_kernel`; the entry point runs a registered kernel where its `applies` says so and its own tensor
@@ -51,9 +51,10 @@ class DeltaKernel(NamedTuple):
     - `"delta_rule"` (`backward` None: its forward is differentiable): `forward(q, k, v, beta, initial_state, erase,
       document_starts) -> (o, final_state) or None`, the inputs and outputs of `delta_rule_recurrent`; None where the
       kernel does not take these inputs (the tensor ops then run).
-    - `"residual_step"` (inference only, `backward` None): `forward(residual, state, x, c, h) -> (new_state, beta
-      [...]) or None`: a whole Delta residual after its branch, gate, value and write, as `DeltaResidual.update`
-      defines it (the reference); None where the kernel does not take this residual (its tensor ops then run).
+    - `"residual_step"` (inference only, `backward` None): `forward(state, x, c, h, weights: ResidualWeights) ->
+      (new_state, beta [...]) or None`: a whole Delta residual after its sublayer, gate, value and write, as
+      `DeltaResidual.forward`'s tensor ops define it (the reference); None where the kernel does not take these
+      inputs (the tensor ops then run).
 
     `applies(tensor) -> bool` says whether the kernel can take this op's inputs (device, dtype, not while compiling).
     """
@@ -334,17 +335,35 @@ def fused_delta_update(
     return _fused_delta_forward(state, branch_output, beta, value, eps, additive, erase)[0]
 
 
+class ResidualWeights(NamedTuple):
+    """A Delta residual's parameters and settings as the "residual_step" op takes them: a linear gate
+    `beta = 2 sigmoid(gate_weight c + gate_bias) clamp(beta_open, 0, 1)`, a linear value (of c; of the read x with
+    `value_scale`, the sigmoid value) or the constant `value_constant` (`value_weight` None), and the update's
+    settings (`delta_update`)."""
+
+    gate_weight: torch.Tensor
+    gate_bias: torch.Tensor
+    beta_open: torch.Tensor
+    value_weight: torch.Tensor | None
+    value_bias: torch.Tensor | None
+    value_scale: float | None
+    value_constant: float
+    eps: float
+    additive: bool
+    erase: bool
+
+
 def residual_step(
-    residual: nn.Module, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor
+    state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A registered "residual_step" kernel's `(new_state, beta)` for a Delta residual's gate, value and write after
-    its branch, or None: no kernel registered, it does not apply, autograd is recording, or it declines this residual.
-    The caller then runs the tensor ops (`DeltaResidual.update`, the reference). Inference only: one native call per
+    its sublayer, or None: no weights a kernel may take, no kernel registered, autograd recording, or the kernel does
+    not apply or declines. The caller then runs its tensor ops (the reference). Inference only: one native call per
     residual where the tensor ops make ~20 small ones, which is most of what a decoded token costs a Delta block."""
     kernel = _KERNELS.get("residual_step")
-    if kernel is None or torch.is_grad_enabled() or not kernel.applies(state):
+    if weights is None or kernel is None or torch.is_grad_enabled() or not kernel.applies(state):
         return None
-    return kernel.forward(residual, state, x, c, h)
+    return kernel.forward(state, x, c, h, weights)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -786,6 +805,7 @@ __all__ = [
     "INFERENCE_OPS",
     "KERNEL_OPS",
     "DeltaKernel",
+    "ResidualWeights",
     "channel_conv",
     "channel_conv_read",
     "channel_conv_read_weight",

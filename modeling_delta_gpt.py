@@ -6,8 +6,10 @@ Delta Operator `A = I - beta k k^T` and a synchronous rank-1 write: `X' = A X + 
 with its output reshaped as Llama's, for vLLM), so every attention backend, the `Conv1D` weights and GPT-2's
 parameter names carry over; only the Delta parameters are new.
 
-Reads top to bottom like `modeling_gpt2.py`: the block, the pretrained base, the model and its heads. The Delta
-layers live in `delta_layers.py`, the DeltaNet token mixer in `delta_net.py`, the math in `delta_ops.py`.
+Reads top to bottom like `modeling_gpt2.py`: the block (eq. 2.5 twice: read, norm, sublayer, Delta update), the
+output classes, the pretrained base, the model and its heads. The reads live in `delta_reads.py`, the residual in
+`delta_layers.py`, what both families add around their layers in `delta_model.py`, the DeltaNet token mixer in
+`delta_net.py`, the math in `delta_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
 `save_pretrained` copies next to the weights. Whatever differs between transformers / torch releases is absorbed in
@@ -17,13 +19,13 @@ Self-contained Hub custom-code file: it imports only torch, transformers and its
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 # First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
 from .delta_compat import (
-    CACHE_ARG,
     OutputRecorder,
     cache_argument,
     cache_of,
@@ -35,8 +37,8 @@ from .delta_compat import (
 
 # isort: split
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin, GenerationMode
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -51,20 +53,10 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_gpt import DeltaGPTConfig
-from .delta_layers import (
-    DeltaConvContext,
-    DeltaEmbedExpand,
-    DeltaPreTrainedMixin,
-    DeltaResidual,
-    DeltaStateCache,
-    DeltaStateConv,
-    DeltaStateMixin,
-    check_token_ids,
-    hidden_states_contract,
-    packed_document_starts,
-    with_delta_outputs,
-)
-from .delta_net import NO_CACHE_ROLLBACK, DeltaNetAttention, DeltaNetCache, require_delta_net_cache
+from .delta_layers import DeltaResidual
+from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids, register_renamed_weights
+from .delta_net import DeltaNetAttention
+from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
 
 
 class DeltaGPTAttention(GPT2Attention):
@@ -119,17 +111,19 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         hidden_size = config.hidden_size
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
         self.layer_idx = layer_idx
-        self.shared_read = config.delta_shared_read
+        self.windows = (f"h.{layer_idx}.attn", f"h.{layer_idx}.mlp")  # where the cache keeps TC reads' last inputs
 
+        self.attn_read = DeltaRead(config)
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         if config.token_mixer == "delta_net":
             self.attn = DeltaNetAttention(config=config, layer_idx=layer_idx)
         else:
             self.attn = DeltaGPTAttention(config=config, layer_idx=layer_idx)
         self.attn_delta = DeltaResidual(config)
+        self.mlp_read = None if config.delta_shared_read else DeltaRead(config)  # shared: attn_read reads again
         self.ln_2 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(inner_dim, config)
-        self.mlp_delta = DeltaResidual(config, owns_read=not config.delta_shared_read)
+        self.mlp_delta = DeltaResidual(config)
 
     def delta_residuals(self) -> dict[str, tuple[DeltaResidual, nn.LayerNorm]]:
         """{attribute name: (Delta residual, the LayerNorm that produces its sublayer and gate input)}."""
@@ -144,35 +138,37 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         delta_context: DeltaConvContext | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`X = attn_delta(X, attn . ln_1); X = mlp_delta(X, mlp . ln_2)`. Returns the new state and the betas of the
-        attention and MLP Delta residuals (recorded for `output_betas`)."""
-        if isinstance(self.attn, DeltaNetAttention) and delta_context is not None:
-            kwargs["document_starts"] = delta_context.document_starts  # attention reads documents from its mask
+        """Eq. 2.5 twice: x = read(X), c = norm(x), h = F(c), X = delta(X, x, c, h). Returns the new state and the
+        betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
+        x = self.attn_read(hidden_states, delta_context, self.windows[0])
+        c = self.ln_1(x)
+        h, _ = self.attn(c, attention_mask=attention_mask, use_cache=use_cache, **cache_argument(cache), **kwargs)
+        hidden_states, attn_beta = self.attn_delta(hidden_states, x, c, h)
 
-        def attention(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            c = self.ln_1(x)
-            out, _ = self.attn(c, attention_mask=attention_mask, use_cache=use_cache, **cache_argument(cache), **kwargs)
-            return c, out
-
-        def mlp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            c = self.ln_2(x)
-            return c, self.mlp(c)
-
-        attn_key, mlp_key = f"h.{self.layer_idx}.attn", f"h.{self.layer_idx}.mlp"  # the convolution windows' keys
-        shared = mlp_key if self.shared_read else None  # delta_shared_read: attn_delta also reads for mlp_delta
-        hidden_states, attn_beta, *read = self.attn_delta(
-            hidden_states, attention, delta_context, attn_key, read_next=shared
-        )
-        hidden_states, mlp_beta = self.mlp_delta(hidden_states, mlp, delta_context, mlp_key, *read)
+        x = (self.mlp_read or self.attn_read)(hidden_states, delta_context, self.windows[1])
+        c = self.ln_2(x)
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, x, c, self.mlp(c))
         return hidden_states, attn_beta, mlp_beta
 
 
-DeltaGPTModelOutput = with_delta_outputs("DeltaGPTModelOutput", BaseModelOutputWithPastAndCrossAttentions)
-DeltaGPTCausalLMOutput = with_delta_outputs("DeltaGPTCausalLMOutput", CausalLMOutputWithCrossAttentions)
-DeltaGPTSequenceClassifierOutput = with_delta_outputs(
-    "DeltaGPTSequenceClassifierOutput", SequenceClassifierOutputWithPast
-)
-DeltaGPTTokenClassifierOutput = with_delta_outputs("DeltaGPTTokenClassifierOutput", TokenClassifierOutput)
+@dataclass
+class DeltaGPTModelOutput(DeltaOutputs, BaseModelOutputWithPastAndCrossAttentions):
+    """`BaseModelOutputWithPastAndCrossAttentions` and the Delta outputs (`DeltaOutputs`)."""
+
+
+@dataclass
+class DeltaGPTCausalLMOutput(DeltaOutputs, CausalLMOutputWithCrossAttentions):
+    """`CausalLMOutputWithCrossAttentions` and the Delta outputs (`DeltaOutputs`)."""
+
+
+@dataclass
+class DeltaGPTSequenceClassifierOutput(DeltaOutputs, SequenceClassifierOutputWithPast):
+    """`SequenceClassifierOutputWithPast` and the Delta outputs (`DeltaOutputs`)."""
+
+
+@dataclass
+class DeltaGPTTokenClassifierOutput(DeltaOutputs, TokenClassifierOutput):
+    """`TokenClassifierOutput` and the Delta outputs (`DeltaOutputs`)."""
 
 
 class DeltaGPTPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
@@ -187,21 +183,15 @@ class DeltaGPTPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # `hidden_states` and `expanded_states` are values of the stack (`DeltaStackMixin.record_state`): at d_v > 1 an
+    # entry is a read of the state, not a layer's output.
     _can_record_outputs = {
-        "hidden_states": DeltaGPTBlock,
         "attentions": OutputRecorder(GPT2Attention, layer_name=".attn", index=1),
         "betas": [OutputRecorder(DeltaGPTBlock, index=1), OutputRecorder(DeltaGPTBlock, index=2)],
     }
     # Old GPT-2 checkpoints' causal-mask buffers (`h.0.attn.bias`, `h.0.attn.masked_bias`), anchored: vLLM's
     # Transformers backend drops every weight these patterns `search`, and "attn.bias" also finds `c_attn.bias`.
     _keys_to_ignore_on_load_unexpected = [r"(^|\.)attn\.bias$", r"(^|\.)attn\.masked_bias$"]
-
-    def __init__(self, config: DeltaGPTConfig, *inputs, **kwargs):
-        super().__init__(config, *inputs, **kwargs)
-        if config.token_mixer == "delta_net":
-            # transformers reads these class flags from the instance; they depend on the mixer, so per instance.
-            # Stateful: the recurrent state cannot be rolled back, so generate refuses assisted decoding up front.
-            self._is_stateful = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -251,7 +241,7 @@ def check_inputs(
             )
 
 
-class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
+class DeltaGPTModel(DeltaStackMixin, DeltaGPTPreTrainedModel):
     def __init__(self, config: DeltaGPTConfig):
         super().__init__(config)
         config.validate_delta()
@@ -262,18 +252,12 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([DeltaGPTBlock(config, layer_idx=i) for i in range(config.num_hidden_layers)])
-        # Reads the expanded state [.., D, d_v] out to [.., D] before ln_f; TC / CC read it like every sublayer's
-        # input; EC expands the embedding (docs/variants.md).
-        self.read_out = nn.Parameter(torch.empty(self.value_channels)) if self.value_channels > 1 else None
+        # EC expands the embedding into the state; the read-out reads the last state for ln_f (docs/variants.md).
         size = config.delta_conv_size
-        self.read_out_conv = (
-            DeltaStateConv(config.delta_state_read, self.embed_dim, self.value_channels, size)
-            if config.delta_state_read != "linear"
-            else None
-        )
         self.embed_expand = (
             DeltaEmbedExpand(self.embed_dim, self.value_channels, size) if config.delta_embed_expand == "conv" else None
         )
+        self.read_out = DeltaRead(config)
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
 
         self.gradient_checkpointing = False
@@ -287,7 +271,6 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
 
     @takes_cache
     @merge_with_config_defaults
-    @hidden_states_contract
     @capture_outputs
     def forward(
         self,
@@ -305,13 +288,11 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         Delta residual. With `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of the
         expanded states, and `output_expanded_states=True` returns the states `[.., hidden_size, d_v]` themselves.
 
-        `GPT2Model.forward` (embeddings, mask, blocks, `ln_f`) plus three Delta steps: the cache of a DeltaNet mixer or
-        of the convolution windows, the expansion of the embedding over the value channels, the read-out before `ln_f`.
+        `GPT2Model.forward` (embeddings, mask, blocks, `ln_f`) plus the Delta steps (`DeltaStackMixin`): the cache of
+        a DeltaNet mixer or of the convolution windows, the expansion of the embedding over the value channels, the
+        read-out before `ln_f`.
         """
-        for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
-            kwargs.pop(flag, None)
-        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `hidden_states_contract`
-
+        records = self.state_records(kwargs)
         if input_ids is not None and inputs_embeds is not None:
             raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
         elif input_ids is not None:
@@ -325,31 +306,19 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         else:
             raise ValueError("You have to specify either input_ids or inputs_embeds")
 
-        self.check_read_out_placement(input_ids if inputs_embeds is None else inputs_embeds)
         if isinstance(attention_mask, dict):  # generate with a static cache: masks by layer type (config.layer_types)
             attention_mask = attention_mask.get(self.config.layer_types[0])
-        delta_net = self.config.token_mixer == "delta_net"
-        temporal = self.config.delta_temporal
-        if use_cache and cache is None:
-            if delta_net:
-                cache = DeltaNetCache(self.config)
-            else:
-                cache = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
-        if delta_net:
-            require_delta_net_cache(cache)
-        else:
-            self.check_window_cache(cache)
+        cache = self.delta_cache(cache, use_cache)
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
         check_inputs(
             self.config, input_ids, attention_mask, position_ids, batch_size, input_shape[-1], past_seen_tokens
         )
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(batch_size, -1)
 
-        document_starts = None
-        if delta_net or temporal:  # packed rows: states and windows that run over tokens restart at each document
-            cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
-            shape = (batch_size, input_shape[-1])
-            document_starts = packed_document_starts(position_ids, cu_seq_lens, shape, past_seen_tokens)
-
+        delta_context = self.delta_context(  # the caller's position_ids: where packed documents restart
+            attention_mask, cache, position_ids, (batch_size, input_shape[-1]), past_seen_tokens, kwargs
+        )
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
         if position_ids is None:
@@ -359,17 +328,12 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
         if token_type_ids is not None:
             hidden_states = hidden_states + self.wte(token_type_ids.view(-1, input_shape[-1]))
 
-        if attention_mask is not None and attention_mask.ndim < 4:
-            attention_mask = attention_mask.view(batch_size, -1)
-        checkpointing = self.gradient_checkpointing and self.training
-        delta_context = DeltaConvContext(
-            token_mask=attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None,
-            cache=cache if temporal and not checkpointing else None,
-            document_starts=document_starts,
-        )
-        if delta_net:  # causal by construction: DeltaNet only needs the 2-D padding mask
+        # The mask by layer type (config.layer_types): GPT-2's causal mask, or DeltaNet's 2-D padding mask and
+        # where packed documents start (causal by construction).
+        if self.config.layer_types[0] == "linear_attention":
             if attention_mask is not None and attention_mask.ndim != 2:
                 raise ValueError("token_mixer='delta_net' supports only a 2-D [batch, seq_len] padding mask.")
+            kwargs["document_starts"] = delta_context.document_starts
             causal_mask = attention_mask
         else:
             causal_mask = create_causal_mask(
@@ -381,14 +345,12 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
             )
 
         hidden_states = self.expand_state(self.drop(hidden_states), delta_context)
-
-        reads = []  # d_v > 1 with hidden states: their entries, in the graph (`record_read`)
+        checkpointing = self.gradient_checkpointing and self.training
         for block in self.h:
-            if hand_over_final_state:
-                hidden_states = self.record_read(hidden_states, reads)
+            hidden_states = self.record_state(hidden_states, records)
             hidden_states, *_ = block(
                 hidden_states,
-                cache if not checkpointing else None,
+                cache if not checkpointing else None,  # recomputed layers must not write to it twice
                 causal_mask,
                 use_cache=use_cache,
                 position_ids=position_ids,
@@ -397,14 +359,13 @@ class DeltaGPTModel(DeltaStateMixin, DeltaGPTPreTrainedModel):
             )
 
         final_state = hidden_states
-        hidden_states = self.ln_f(self.read_state_out(hidden_states, delta_context))
+        hidden_states = self.ln_f(self.read_out(hidden_states, delta_context, "read_out"))
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
 
         return DeltaGPTModelOutput(
             last_hidden_state=hidden_states,
             **cache_argument(cache if use_cache else None),
-            # d_v > 1: the final expanded state and the reads, for `hidden_states_contract`, which replaces them.
-            expanded_states=(final_state, *reads) if hand_over_final_state else None,
+            **self.state_outputs(records, final_state, hidden_states),
         )
 
 
@@ -416,31 +377,6 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         self.transformer = DeltaGPTModel(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
-
-    def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
-        """Refuse assisted decoding up front for a DeltaNet model, naming why (transformers' own check says only
-        "stateful model"): it needs to roll the cache back over the rejected draft tokens."""
-        if self._is_stateful and generation_mode == GenerationMode.ASSISTED_GENERATION:
-            raise ValueError(NO_CACHE_ROLLBACK.format(role="with assisted / speculative decoding or prompt lookup"))
-        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """`generate` builds a DynamicCache from the config; a DeltaNet model needs its recurrent-state cache."""
-        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
-        delta_net = self.config.token_mixer == "delta_net"
-        if delta_net:
-            require_delta_net_cache(model_kwargs.get(CACHE_ARG))  # before generate asks it for its length
-            if getattr(generation_config, "is_assistant", False):
-                raise ValueError(NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
-        if not (delta_net or self.config.delta_temporal) or not wants_new_cache:
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
-                "token_mixer='delta_net' or a temporal Delta variant (their caches keep recurrent states or "
-                "convolution windows). Leave cache_implementation unset."
-            )
-        model_kwargs[CACHE_ARG] = DeltaNetCache(self.config) if delta_net else DeltaStateCache(self.config)
 
     @takes_cache
     @can_return_tuple
@@ -606,6 +542,8 @@ class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
             expanded_states=outputs.expanded_states,
         )
 
+
+register_renamed_weights(DeltaGPTConfig.model_type)
 
 __all__ = [
     "DeltaGPTForCausalLM",

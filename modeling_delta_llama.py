@@ -7,16 +7,18 @@ transformers classes, chosen by `config.source_model_type`, so attention backend
 (Qwen3) and sliding windows carry over, and the parameter names are the family's: a converted checkpoint loads under
 its own names.
 
-Reads top to bottom like `modeling_llama.py`: the family table, the decoder layer, the pretrained base, the model
-and the causal LM head. The Delta residual itself, its state convolutions and caches live in `delta_layers.py`.
+Reads top to bottom like `modeling_llama.py`: the family table, the decoder layer (eq. 2.5 twice), the output
+classes, the pretrained base, the model and the causal LM head. The reads live in `delta_reads.py`, the residual in
+`delta_layers.py`, what both families add around their layers in `delta_model.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
-(`configuration_delta_llama.py`, `delta_layers.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained`
-copies next to the weights.
+(`configuration_delta_llama.py`, `delta_model.py`, `delta_layers.py`, `delta_reads.py`, `delta_net.py`, `delta_ops.py`,
+`delta_compat.py`), which `save_pretrained` copies next to the weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -24,7 +26,6 @@ from torch import nn
 
 # First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
 from .delta_compat import (
-    CACHE_ARG,
     OutputRecorder,
     cache_argument,
     cache_of,
@@ -36,7 +37,7 @@ from .delta_compat import (
 
 # isort: split
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -54,20 +55,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Q
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
-from .delta_layers import (
-    DeltaConvContext,
-    DeltaEmbedExpand,
-    DeltaPreTrainedMixin,
-    DeltaResidual,
-    DeltaStateCache,
-    DeltaStateConv,
-    DeltaStateMixin,
-    check_token_ids,
-    hidden_states_contract,
-    packed_document_starts,
-    spectral_std,
-    with_delta_outputs,
-)
+from .delta_layers import DeltaResidual, spectral_std
+from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids, register_renamed_weights
+from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
 
 
 class FamilyModules(NamedTuple):
@@ -122,14 +112,16 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         family = family_modules(config)
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
-        self.shared_read = config.delta_shared_read
+        self.windows = (f"layers.{layer_idx}.attn", f"layers.{layer_idx}.mlp")  # the cache entries of TC reads
 
+        self.attn_read = DeltaRead(config)
+        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = family.attention(config=config, layer_idx=layer_idx)
         self.attn_delta = DeltaResidual(config)
-        self.mlp = family.mlp(config)
-        self.mlp_delta = DeltaResidual(config, owns_read=not config.delta_shared_read)
-        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp_read = None if config.delta_shared_read else DeltaRead(config)  # shared: attn_read reads again
         self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = family.mlp(config)
+        self.mlp_delta = DeltaResidual(config)
 
     def delta_residuals(self) -> dict[str, tuple[DeltaResidual, nn.Module]]:
         """{attribute name: (Delta residual, the RMSNorm that produces its sublayer and gate input)}."""
@@ -142,44 +134,38 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
         delta_context: DeltaConvContext | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`X = attn_delta(X, self_attn . input_layernorm); X = mlp_delta(X, mlp . post_attention_layernorm)`. Returns
-        the new state and the betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
-
-        def attention(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            c = self.input_layernorm(x)
-            out, _ = self.self_attn(
-                hidden_states=c,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **cache_argument(cache),
-                **kwargs,
-            )
-            return c, out
-
-        def mlp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            c = self.post_attention_layernorm(x)
-            return c, self.mlp(c)
-
-        attn_key, mlp_key = f"layers.{self.layer_idx}.attn", f"layers.{self.layer_idx}.mlp"  # the windows' keys
-        shared = mlp_key if self.shared_read else None  # delta_shared_read: attn_delta also reads for mlp_delta
-        hidden_states, attn_beta, *read = self.attn_delta(
-            hidden_states, attention, delta_context, attn_key, read_next=shared
+        """Eq. 2.5 twice: x = read(X), c = norm(x), h = F(c), X = delta(X, x, c, h). Returns the new state and the
+        betas of the attention and MLP Delta residuals (recorded for `output_betas`)."""
+        x = self.attn_read(hidden_states, delta_context, self.windows[0])
+        c = self.input_layernorm(x)
+        h, _ = self.self_attn(
+            hidden_states=c,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            **cache_argument(cache),
+            **kwargs,
         )
-        hidden_states, mlp_beta = self.mlp_delta(hidden_states, mlp, delta_context, mlp_key, *read)
+        hidden_states, attn_beta = self.attn_delta(hidden_states, x, c, h)
+
+        x = (self.mlp_read or self.attn_read)(hidden_states, delta_context, self.windows[1])
+        c = self.post_attention_layernorm(x)
+        hidden_states, mlp_beta = self.mlp_delta(hidden_states, x, c, self.mlp(c))
         return hidden_states, attn_beta, mlp_beta
 
 
-DeltaLlamaModelOutput = with_delta_outputs("DeltaLlamaModelOutput", BaseModelOutputWithPast)
-DeltaLlamaCausalLMOutput = with_delta_outputs("DeltaLlamaCausalLMOutput", CausalLMOutputWithPast)
+@dataclass
+class DeltaLlamaModelOutput(DeltaOutputs, BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` and the Delta outputs (`DeltaOutputs`)."""
+
+
+@dataclass
+class DeltaLlamaCausalLMOutput(DeltaOutputs, CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` and the Delta outputs (`DeltaOutputs`)."""
 
 
 class DeltaLlamaPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
@@ -198,8 +184,8 @@ class DeltaLlamaPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # `hidden_states` and `expanded_states` are values of the stack (`DeltaStackMixin.record_state`).
     _can_record_outputs = {
-        "hidden_states": DeltaLlamaDecoderLayer,
         # The family's attention class differs per config: matched by its module name instead.
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
         "betas": [OutputRecorder(DeltaLlamaDecoderLayer, index=1), OutputRecorder(DeltaLlamaDecoderLayer, index=2)],
@@ -212,7 +198,7 @@ class DeltaLlamaPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
         self.init_delta_weights(module)
 
 
-class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
+class DeltaLlamaModel(DeltaStackMixin, DeltaLlamaPreTrainedModel):
     def __init__(self, config: DeltaLlamaConfig):
         super().__init__(config)
         config.validate_delta_residual()
@@ -224,20 +210,13 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([DeltaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        # Reads the expanded state [.., D, d_v] out to [.., D] before the final norm; TC / CC read it like every
-        # sublayer's input; EC expands the embedding (docs/variants.md).
-        self.read_out = nn.Parameter(torch.empty(self.value_channels)) if self.value_channels > 1 else None
-        size = config.delta_conv_size
-        self.read_out_conv = (
-            DeltaStateConv(config.delta_state_read, config.hidden_size, self.value_channels, size)
-            if config.delta_state_read != "linear"
-            else None
-        )
+        # EC expands the embedding into the state; the read-out reads the last state for the norm (docs/variants.md).
         self.embed_expand = (
-            DeltaEmbedExpand(config.hidden_size, self.value_channels, size)
+            DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)
             if config.delta_embed_expand == "conv"
             else None
         )
+        self.read_out = DeltaRead(config)
         self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = family.rotary(config=config)
         self.gradient_checkpointing = False
@@ -251,7 +230,6 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
 
     @takes_cache
     @merge_with_config_defaults
-    @hidden_states_contract
     @capture_outputs
     def forward(
         self,
@@ -268,31 +246,24 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
         tensor per Delta residual. With `delta_value_channels > 1`, `hidden_states` are `[.., hidden_size]` reads of
         the expanded states, and `output_expanded_states=True` returns the states `[.., hidden_size, d_v]`.
 
-        The family's forward (embeddings, masks, rotary, layers, norm) plus the Delta steps: the state expansion
-        over the value channels, the convolution windows of the temporal variants, and the read-out before `norm`.
+        The family's forward (embeddings, masks, rotary, layers, norm) plus the Delta steps (`DeltaStackMixin`): the
+        state expansion over the value channels, the convolution windows of the temporal variants, and the read-out
+        before `norm`.
         """
-        for flag in ("output_attentions", "output_hidden_states", "output_betas", "output_expanded_states"):
-            kwargs.pop(flag, None)
-        hand_over_final_state = kwargs.pop("_hand_over_final_state", False)  # set by `hidden_states_contract`
+        records = self.state_records(kwargs)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         check_token_ids(input_ids, self.config.vocab_size)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        temporal = self.config.delta_temporal
-        if use_cache and cache is None:
-            cache = DeltaStateCache(self.config) if temporal else DynamicCache(config=self.config)
-        self.check_window_cache(cache)
+        cache = self.delta_cache(cache, use_cache)
         past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-        batch_size, seq_len = inputs_embeds.shape[:2]
-
-        document_starts = None
-        if temporal:  # packed rows: the convolution windows restart at each document
-            cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
-            document_starts = packed_document_starts(position_ids, cu_seq_lens, (batch_size, seq_len), past_seen_tokens)
+        delta_context = self.delta_context(  # the caller's position_ids: where packed documents restart
+            attention_mask, cache, position_ids, inputs_embeds.shape[:2], past_seen_tokens, kwargs
+        )
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
         # It may already have been prepared by e.g. `generate`
@@ -308,22 +279,12 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
             if "sliding_attention" in self.layer_types:
                 causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
-        token_mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
-        checkpointing = self.gradient_checkpointing and self.training
-        delta_context = DeltaConvContext(
-            token_mask=token_mask,
-            cache=cache if temporal and not checkpointing else None,
-            document_starts=document_starts,
-        )
-
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         hidden_states = self.expand_state(hidden_states, delta_context)
-
-        reads = []  # d_v > 1 with hidden states: their entries, in the graph (`record_read`)
+        checkpointing = self.gradient_checkpointing and self.training
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            if hand_over_final_state:
-                hidden_states = self.record_read(hidden_states, reads)
+            hidden_states = self.record_state(hidden_states, records)
             hidden_states, *_ = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.layer_types[i]],
@@ -336,12 +297,11 @@ class DeltaLlamaModel(DeltaStateMixin, DeltaLlamaPreTrainedModel):
             )
 
         final_state = hidden_states
-        hidden_states = self.norm(self.read_state_out(hidden_states, delta_context))
+        hidden_states = self.norm(self.read_out(hidden_states, delta_context, "read_out"))
         return DeltaLlamaModelOutput(
             last_hidden_state=hidden_states,
             **cache_argument(cache if use_cache else None),
-            # d_v > 1: the final expanded state and the reads, for `hidden_states_contract`, which replaces them.
-            expanded_states=(final_state, *reads) if hand_over_final_state else None,
+            **self.state_outputs(records, final_state, hidden_states),
         )
 
 
@@ -354,18 +314,6 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """`generate` builds a DynamicCache from the config; a temporal variant needs the cache with its windows."""
-        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
-        if not self.config.delta_temporal or not wants_new_cache:
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported with a temporal "
-                "Delta variant (its cache keeps convolution windows). Leave cache_implementation unset."
-            )
-        model_kwargs[CACHE_ARG] = DeltaStateCache(self.config)
 
     @takes_cache
     @can_return_tuple
@@ -410,6 +358,9 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
             betas=outputs.betas,
             expanded_states=outputs.expanded_states,
         )
+
+
+register_renamed_weights(DeltaLlamaConfig.model_type)
 
 
 # The authors' residual output projections (their `attn.o_proj` and `mlp.o_proj`), under the Llama family's names.

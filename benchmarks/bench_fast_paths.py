@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import provenance, write_results
 from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_step_fn
 
-import ddl_hf.delta_layers as layers
+import ddl_hf.delta_layers
+import ddl_hf.delta_reads
 from ddl_hf.delta_ops import channel_conv, delta_update, temporal_conv, unit_direction
 
 GOAL = 0.02  # a fused op stays if it saves at least 2% of GPT-2's step or token time
@@ -52,7 +53,7 @@ def reference_cc_read(state, weight, read):
     return channel_conv(state, weight) @ read.to(state.dtype)
 
 
-#: op -> (the name `delta_layers` calls it by, its readable reference, the model that runs it)
+#: op -> (the name the layers call it by, its readable reference, the model that runs it)
 OPS = {
     "update (d_v = 1, additive)": ("fused_delta_update", reference_update, dict(d_v=1, mode="additive")),
     "update (d_v = 4, paper)": ("fused_delta_update", reference_update, dict(d_v=4, mode="paper")),
@@ -69,8 +70,13 @@ OPS = {
 }
 
 
+LAYERS = (ddl_hf.delta_layers, ddl_hf.delta_reads)  # the files whose modules call the ops
+
+
 @contextlib.contextmanager
 def replaced(name: str, function) -> Iterator[None]:
+    """`name` replaced by `function` in the layer file that calls it."""
+    (layers,) = [module for module in LAYERS if hasattr(module, name)]
     original = getattr(layers, name)
     setattr(layers, name, function)
     try:

@@ -113,7 +113,7 @@ def open_delta(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             if residual.v_proj is not None:
                 residual.v_proj.weight.copy_(torch.randn(residual.v_proj.weight.shape, generator=generator) * INIT_STD)
         for name, param in model.named_parameters():
-            if name.endswith(("read_weights", "read_out")) or "conv" in name:
+            if name.endswith("read.weights") or name.endswith("read_out.weights") or "conv" in name:
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
     return model
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ddl_hf import DeltaGPTConfig
-from ddl_hf.delta_layers import DeltaEmbedExpand, DeltaResidual
+from ddl_hf.delta_layers import DeltaResidual
+from ddl_hf.delta_reads import DeltaEmbedExpand, DeltaRead
 
 FILES = {
     "dv1": "DDL-vdim1-gpt-mha-rope.py",
@@ -70,14 +71,15 @@ def load_reference(directory: Path, file: str) -> types.ModuleType:
     return module
 
 
-def our_residual(variant: str, dtype: torch.dtype) -> tuple[DeltaResidual, DeltaGPTConfig]:
+def our_residual(variant: str, dtype: torch.dtype) -> tuple[DeltaResidual, DeltaRead]:
+    """Our Delta residual and the read before it, as the reference preset builds them."""
     config = DeltaGPTConfig.reference(
         variant, None if variant == "dv1" else CHANNELS, n_embd=WIDTH, n_head=2, n_layer=1, vocab_size=61
     )
-    return DeltaResidual(config).to(dtype), config
+    return DeltaResidual(config).to(dtype), DeltaRead(config).to(dtype)
 
 
-def copy_weights(theirs: dict[str, torch.nn.Module], ours: DeltaResidual, variant: str) -> None:
+def copy_weights(theirs: dict[str, torch.nn.Module], ours: DeltaResidual, read: DeltaRead, variant: str) -> None:
     """Their parameters into ours (only the layout differs)."""
     residual = theirs["residual"]
     with torch.no_grad():
@@ -89,11 +91,11 @@ def copy_weights(theirs: dict[str, torch.nn.Module], ours: DeltaResidual, varian
         if variant == "dv1":
             return
         compress = theirs["compress"]
-        ours.read_weights.copy_(compress.read)
+        read.weights.copy_(compress.read)
         if variant.startswith("tc"):  # their (d * d_v, K) depthwise conv, channel i * d_v + j
-            ours.read_conv.weight.copy_(compress.shortconv.weight.reshape(WIDTH, CHANNELS, -1))
+            read.conv.weight.copy_(compress.shortconv.weight.reshape(WIDTH, CHANNELS, -1))
         else:  # their CC kernel (d, K)
-            ours.read_conv.weight.copy_(compress.weight)
+            read.conv.weight.copy_(compress.weight)
 
 
 def randomise(module: torch.nn.Module, generator: torch.Generator) -> None:
@@ -117,8 +119,8 @@ def compare(directory: Path, variant: str, dtype: torch.dtype) -> dict[str, floa
         theirs["compress"] = block.compress
     for module in theirs.values():
         randomise(module, generator)
-    ours, _ = our_residual(variant, dtype)
-    copy_weights(theirs, ours, variant)
+    ours, our_read = our_residual(variant, dtype)
+    copy_weights(theirs, ours, our_read, variant)
 
     shape = (BATCH, TOKENS, WIDTH) if variant == "dv1" else (BATCH, TOKENS, WIDTH, CHANNELS)
     state = torch.randn(shape, generator=generator, dtype=dtype)
@@ -131,8 +133,8 @@ def compare(directory: Path, variant: str, dtype: torch.dtype) -> dict[str, floa
         read_theirs = block.compress(state)
         context = F.rms_norm(read_theirs, [WIDTH], eps=1e-5)
         updated_theirs = block.ddl_attn(state, k_in=k_in, v_in=read_theirs, context=context)
-    read_ours = ours.read(state)
-    updated_ours, _ = ours(state, context, k_in, read=read_ours)
+    read_ours = our_read(state)
+    updated_ours, _ = ours(state, read_ours, context, k_in)  # X, x = read(X), c (their normalised read), h
     result = {
         "read": float((read_ours - read_theirs).abs().max()),
         "update": float(((updated_ours - state) - (updated_theirs - state)).abs().max()),

@@ -18,7 +18,7 @@ import bench_pretrain
 import torch
 from _common import provenance, write_results
 
-from ddl_hf.delta_layers import DeltaStateConv
+from ddl_hf.delta_reads import DeltaStateConv
 
 #: where the convolutions start as the identity (the rest: the average over the K taps, the reference's init)
 CASES = {
@@ -38,7 +38,7 @@ def build(identity: tuple[str, ...]):
         model = original(preset, vocab_size, variant, seed)
         with torch.no_grad():
             for name, module in model.named_modules():
-                where = "final" if "read_out_conv" in name else "blocks"
+                where = "final" if name.endswith("read_out.conv") else "blocks"
                 if isinstance(module, DeltaStateConv) and where in identity:
                     module.weight.copy_(module.identity())
         return model

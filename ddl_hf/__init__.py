@@ -29,9 +29,10 @@ from .conversion import (
     export_to_llama,
     push_converted_to_hub,
 )
-from .delta_layers import DeltaResidual, DeltaStateCache
+from .delta_layers import DeltaResidual
 from .delta_net import DeltaNetAttention, DeltaNetCache
 from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
+from .delta_reads import DeltaRead, DeltaStateCache
 from .fla_kernels import enable_fla_kernels, fla_available
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
@@ -100,6 +101,7 @@ __all__ = [
     "DeltaLlamaPreTrainedModel",
     "DeltaNetAttention",
     "DeltaNetCache",
+    "DeltaRead",
     "DeltaResidual",
     "DeltaStateCache",
     "DeltaStatsCallback",

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from .delta_ops import DeltaKernel, register_kernel
+from .delta_ops import DeltaKernel, ResidualWeights, register_kernel
 
 _SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
 NATIVE_OPS = ("delta_update", "tc_read", "residual_step")  # the ops these kernels take
@@ -90,12 +89,6 @@ def _applies(x: torch.Tensor) -> bool:
     )
 
 
-def _hooked(module: nn.Module | None) -> bool:
-    """Whether calling `module` would run more than its forward: its own forward hooks, or a forward replaced by a
-    wrapper (accelerate's `add_hook_to_module`, which offloading and device maps use)."""
-    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
-
-
 def _global_hooks() -> bool:
     """Whether forward hooks are registered for every module (`torch.nn.modules.module.register_module_forward_hook`
     / `_pre_hook`; torch's module tracker and some profilers use them). torch has no public reader of them: these are
@@ -103,32 +96,17 @@ def _global_hooks() -> bool:
     return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
-def _residual_step(residual: nn.Module, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor):
-    """The "residual_step" kernel (`delta_ops.residual_step`): `(new_state, beta)`, or None where it does not take
-    this residual: a gate that is not one plain `nn.Linear` (the MLP gate, a quantized or LoRA-wrapped layer), a
-    value likewise, a hooked layer or hooks on every module (they would not run), or tensors not all on the CPU in
-    the state's float32 / float64 dtype (checked in the kernel)."""
-    gate, value = residual.beta_proj, residual.v_proj
-    if type(gate) is not nn.Linear or (value is not None and type(value) is not nn.Linear):
-        return None
-    if _hooked(gate) or _hooked(value) or _global_hooks():
-        return None
-    return _kernels.residual_step(
-        state,
-        c,
-        h,
-        x,
-        gate.weight,
-        gate.bias,
-        residual.beta_open,
-        None if value is None else value.weight,
-        None if value is None else value.bias,
-        residual.value_scale,
-        residual.value_constant,
-        residual.eps,
-        residual.additive,
-        residual.erase,
-    )
+def _step_applies(x: torch.Tensor) -> bool:
+    """`_applies`, and no hooks on every module: the fused step would skip the gate's and value's calls."""
+    return _applies(x) and not _global_hooks()
+
+
+def _residual_step(
+    state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The "residual_step" kernel (`delta_ops.residual_step`): `(new_state, beta)`, or None where the tensors are not
+    all on the CPU in the state's float32 / float64 dtype (checked in the kernel)."""
+    return _kernels.residual_step(state, c, h, x, *weights)
 
 
 def enable_native_kernels(verbose: bool = False) -> None:
@@ -140,7 +118,7 @@ def enable_native_kernels(verbose: bool = False) -> None:
     kernels = load_training_kernels(verbose)
     register_kernel("delta_update", DeltaKernel(kernels.delta_update_forward, kernels.delta_update_backward, _applies))
     register_kernel("tc_read", DeltaKernel(kernels.tc_read_forward, kernels.tc_read_backward, _applies))
-    register_kernel("residual_step", DeltaKernel(_residual_step, None, _applies))
+    register_kernel("residual_step", DeltaKernel(_residual_step, None, _step_applies))
 
 
 def disable_native_kernels() -> None:

@@ -174,7 +174,7 @@ def scramble_delta_weights(model: torch.nn.Module, seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("read_weights", "read_out")) or "conv" in name or "embed_expand" in name:
+            if "read" in name or "conv" in name or "embed_expand" in name:
                 param.copy_(0.5 + 0.5 * torch.randn(param.shape, generator=generator))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
-from ddl_hf.delta_layers import DeltaStateConv
+from ddl_hf.delta_reads import DeltaStateConv
 
 
 def averaging_and_identity(hidden: int, size: int = 4) -> tuple[DeltaStateConv, DeltaStateConv]:

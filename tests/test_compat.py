@@ -22,8 +22,8 @@ from transformers import DynamicCache
 import ddl_hf
 from ddl_hf import delta_compat
 from ddl_hf.delta_compat import CACHE_ARG, cache_of, release
-from ddl_hf.delta_layers import DeltaStateCache
 from ddl_hf.delta_net import DeltaNetCache
+from ddl_hf.delta_reads import DeltaStateCache
 
 VARIANTS = ["additive-dv1", "paper-dv4", "delta_net-dv1", "tc-ec-paper-dv4", "cc-dv4"]
 

@@ -41,6 +41,8 @@ CUSTOM_CODE = (
     "configuration_delta_gpt.py",
     "modeling_delta_gpt.py",
     "delta_layers.py",
+    "delta_model.py",
+    "delta_reads.py",
     "delta_net.py",
     "delta_ops.py",
     "delta_compat.py",

@@ -200,7 +200,7 @@ def test_beta_upper_bounds_hold_for_rmsnorm_gates():
     direction = residual.gate_output.weight[0] * norm.weight
     with torch.no_grad():
         x = direction[None, None] * 3.0  # any positive scale: RMSNorm removes it
-        beta = residual(x, lambda x: (norm(x), torch.randn_like(x)))[1]
+        beta = residual(x, x, norm(x), torch.randn_like(x))[1]
     assert float(beta) == pytest.approx(bounds["model.layers.0.attn_delta"], rel=1e-4)
 
 
@@ -242,6 +242,8 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "modeling_delta_llama.py",
         "configuration_delta_gpt.py",
         "delta_layers.py",
+        "delta_model.py",
+        "delta_reads.py",
         "delta_ops.py",
         "delta_compat.py",
     } <= files
@@ -303,8 +305,8 @@ def test_export_refuses_open_gates_paper_mode_and_moved_reads():
         ddl_hf.export_to_llama(to_delta(source, delta_mode="paper"))
     model = to_delta(source, delta_value_channels=4)
     with torch.no_grad():
-        model.model.read_out.add_(0.1)
-    with pytest.raises(ValueError, match=r"read vector must sum to 1.*'model.read_out'"):
+        model.model.read_out.weights.add_(0.1)
+    with pytest.raises(ValueError, match=r"read vector must sum to 1.*'model.read_out.weights'"):
         ddl_hf.export_to_llama(model)
 
 

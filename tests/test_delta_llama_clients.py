@@ -145,7 +145,7 @@ def test_delta_trainer_logs_beta_of_every_block_and_groups_exactly_the_delta_par
     assert len(delta_groups) == 1
     delta = {id(p) for p in model.delta_parameters().values()}
     assert {id(p) for p in delta_groups[0]["params"]} == delta
-    assert "model.read_out" in model.delta_parameters()  # d_v 4: the model-level read counts as Delta
+    assert "model.read_out.weights" in model.delta_parameters()  # d_v 4: the model-level read counts as Delta
     others = [p for g in trainer.optimizer.param_groups if g is not delta_groups[0] for p in g["params"]]
     assert len(others) + len(delta) == sum(1 for p in model.parameters() if p.requires_grad)
 

@@ -43,6 +43,8 @@ CUSTOM_CODE = (
     "modeling_delta_llama.py",
     "configuration_delta_gpt.py",
     "delta_layers.py",
+    "delta_model.py",
+    "delta_reads.py",
     "delta_ops.py",
     "delta_compat.py",
 )

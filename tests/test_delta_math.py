@@ -50,7 +50,8 @@ def test_delta_residual_matches_dense_operator(mode: str, value_channels: int) -
     normed = torch.randn(2, 5, config.n_embd, generator=generator, dtype=torch.float64)
     branch = torch.randn(2, 5, config.n_embd, generator=generator, dtype=torch.float64)
 
-    new_state, beta = module(state, lambda x: (normed, branch))  # (norm(read), sublayer(norm(read)))
+    read = state if value_channels == 1 else state.mean(-1)  # x = read(X): only the sigmoid value uses it
+    new_state, beta = module(state, read, normed, branch)  # X, x, c = norm(x), h = sublayer(c)
 
     # Independent reference in float64 from the definitions.
     c, h, x = normed.double(), branch.double(), state.double().reshape(2, 5, config.n_embd, value_channels)

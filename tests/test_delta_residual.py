@@ -17,6 +17,7 @@ from test_fused_delta import readable_residuals
 
 from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_ops import delta_gate, delta_update, fused_delta_update, unit_direction
+from ddl_hf.delta_reads import DeltaRead
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
 
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
@@ -52,9 +53,9 @@ def inputs(d_v: int, dtype=torch.float32, shape=(2, 5), dim=32, seed=1):
 
 
 def step(module: DeltaResidual, state, normed, h, read=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual's forward with its sublayer's input and output given: the norm returns `normed` (the gate's
-    input c), the sublayer `h`; `read` stands for the read of the state (None: the module reads it)."""
-    return module(state, lambda x: (normed, h), read=read)
+    """The residual's forward with its sublayer's input c = `normed` and output `h` given; `read` stands for the read
+    x of the state (None: `read_of(normed)`, which only the sigmoid value uses)."""
+    return module(state, read_of(normed) if read is None else read, normed, h)
 
 
 def gate_and_value(module: DeltaResidual, normed, read) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,17 +162,20 @@ def test_no_grad_path_gives_the_autograd_path_bits_and_matches_the_reference(d_v
     torch.testing.assert_close(fast_state, plain_state, rtol=1e-5, atol=1e-5)
 
 
-def test_the_forward_reads_the_state_then_runs_the_sublayer_on_the_normed_read():
-    """x = read(X), (c, h) = branch(x) with c = norm(x) and h = sublayer(c): eq. 2.5 with the gate and value of c
-    (float64 reference)."""
-    module = residual(4, "paper", dtype=torch.float64)
+def test_a_read_then_the_sublayer_on_the_normed_read_then_the_residual_is_eq_2_5():
+    """x = read(X) (`DeltaRead`: X w), c = norm(x), h = sublayer(c), then the residual: eq. 2.5 with the gate and
+    value of c (float64 reference, the read vector taken from the read module's parameter)."""
+    module = residual(4, "paper", dtype=torch.float64, delta_value="sigmoid")
+    read = DeltaRead(delta_config(delta_value_channels=4)).double()
     norm = torch.nn.LayerNorm(32, dtype=torch.float64)
     sublayer = torch.nn.Linear(32, 32, dtype=torch.float64)
     state = torch.randn(2, 5, 32, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     with torch.no_grad():
-        out, beta = module(state, lambda x: (norm(x), sublayer(norm(x))))
-        x = state @ module.read_weights
-        expected, expected_beta = reference(module, state, norm(x), sublayer(norm(x)))
+        read.weights.normal_(0, 1, generator=torch.Generator().manual_seed(4))
+        x = read(state)
+        out, beta = module(state, x, norm(x), sublayer(norm(x)))
+        manual = (state * read.weights).sum(-1)
+        expected, expected_beta = reference(module, state, norm(manual), sublayer(norm(manual)), manual)
     torch.testing.assert_close(beta, expected_beta, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 

@@ -65,16 +65,16 @@ def test_paper_mode_is_refused():
 def test_read_vectors_must_sum_to_one():
     converted = ddl_hf.convert_gpt2(trained_gpt2(), delta_value_channels=4)
     with torch.no_grad():
-        converted.transformer.h[0].attn_delta.read_weights[0] += 0.5
-    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn_delta\.read_weights"):
+        converted.transformer.h[0].attn_read.weights[0] += 0.5
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn_read\.weights"):
         ddl_hf.export_to_gpt2(converted)
 
 
 @pytest.mark.parametrize(
     ("variant", "module"),
     [
-        (dict(delta_state_read="temporal_conv"), "transformer.h.1.mlp_delta.read_conv"),
-        (dict(delta_state_read="channel_conv"), "transformer.read_out_conv"),
+        (dict(delta_state_read="temporal_conv"), "transformer.h.1.mlp_read.conv"),
+        (dict(delta_state_read="channel_conv"), "transformer.read_out.conv"),
         (dict(delta_embed_expand="conv"), "transformer.embed_expand"),
     ],
 )
@@ -94,7 +94,7 @@ def test_variants_round_trip_while_their_convolutions_are_the_identity(variant, 
 
 def _block_beta(block_delta, norm, x: torch.Tensor) -> torch.Tensor:
     """beta from the block's own forward pass for residual inputs x [n, D]."""
-    _, beta = block_delta(x, lambda x: (norm(x), torch.randn_like(x)))
+    _, beta = block_delta(x, x, norm(x), torch.randn_like(x))
     return beta
 
 

@@ -181,9 +181,9 @@ def residual_and_inputs(d_v: int, mode: str, dtype=torch.float32, **fields):
 
 
 def step(module: DeltaResidual, state, normed, h, read=None):
-    """The residual's forward with its sublayer's input and output given: the norm returns `normed`, the sublayer
-    `h`; `read` stands for the read of the state (None: the module reads it)."""
-    return module(state, lambda x: (normed, h), read=read)
+    """The residual's forward with its sublayer's input c = `normed` and output `h` given; `read` stands for the read
+    x of the state (None: a stand-in that only the sigmoid value uses)."""
+    return module(state, 3 * normed.flip(-1) + 1 if read is None else read, normed, h)
 
 
 @pytest.mark.parametrize(  # compiling is slow: three cases

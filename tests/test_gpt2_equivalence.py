@@ -54,7 +54,7 @@ def test_every_variant_starts_as_gpt2_bit_for_bit(
         delta_value=value,
         delta_erase=erase,
     )
-    assert (delta.transformer.read_out_conv is not None) == (read != "linear")
+    assert (delta.transformer.read_out.conv is not None) == (read != "linear")
     assert (delta.transformer.embed_expand is not None) == (expand == "conv")
     mask = torch.ones_like(token_batch)
     mask[0, :5] = 0

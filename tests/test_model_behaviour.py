@@ -180,7 +180,7 @@ def test_expanded_states_are_an_opt_in_output_and_hidden_states_their_reads() ->
     embedding = model.transformer.wte(ids) + model.transformer.wpe(positions)
     torch.testing.assert_close(out.expanded_states[0], embedding.unsqueeze(-1).expand(2, 6, d, 3), rtol=0, atol=0)
     # Every hidden state but the last is its expanded state read with the final read vector.
-    read = model.transformer.read_out
+    read = model.transformer.read_out.weights
     for hidden, expanded in zip(out.hidden_states[:-1], out.expanded_states[:-1]):
         torch.testing.assert_close(hidden, expanded @ read, rtol=0, atol=0)
     # The final expanded state, read and normed, is what the LM head sees.
@@ -211,7 +211,7 @@ def test_expanded_hidden_states_retain_a_gradient_that_is_the_states_along_the_r
     for state in out.expanded_states:
         state.retain_grad()
     out.logits.sum().backward()
-    read = model.base_model.read_out.detach()
+    read = model.base_model.read_out.weights.detach()
     u = read / (read @ read)
     assert all(h.grad is not None for h in out.hidden_states)
     for hidden, state in zip(out.hidden_states[:-1], out.expanded_states[:-1]):
@@ -318,7 +318,7 @@ def test_from_scratch_follows_the_reference_code_and_loading_a_gpt2_stays_exact(
     betas = torch.stack(model(ids, output_betas=True).betas)
     # the gate reads c: logit w.c with w ~ N(0, (0.5 / D)^2) and |c| ~ sqrt(D), so beta = 1 +- ~0.25 / sqrt(D)
     assert 0 < (betas - 1).abs().max() < 0.5 / model.config.n_embd**0.5 * 3
-    conv = model.transformer.h[0].attn_delta.read_conv.weight
+    conv = model.transformer.h[0].attn_read.conv.weight
     assert torch.equal(conv, torch.full_like(conv, 0.25))
     base = model.transformer
     identity_logits = model.lm_head(base.ln_f(base.wte(ids) + base.wpe.weight[:6]))
@@ -326,7 +326,7 @@ def test_from_scratch_follows_the_reference_code_and_loading_a_gpt2_stays_exact(
 
     explicit = delta_model(delta_init="exact", delta_state_read="channel_conv", delta_value_channels=4)
     assert explicit.config.delta_beta_init == 0.0
-    weight = explicit.transformer.read_out_conv.weight
+    weight = explicit.transformer.read_out.conv.weight
     assert torch.equal(weight, torch.eye(4)[1].expand_as(weight))  # centred tap p = (4 - 1) // 2 = 1
     assert delta_model(delta_beta_init=0.5).config.delta_init == "reference"
     with torch.no_grad():  # exact: the same beta for every token, the one asked for
@@ -384,7 +384,7 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
     gpt2_params = sum(p.numel() for p in gpt2.parameters())
     delta_params = sum(p.numel() for p in delta.parameters())
     read = value_channels if value_channels > 1 else 0
-    per_block = (768 + 1) + 1 + value_channels * (768 + 1) + read  # beta_proj, beta_open, v_proj, read_weights
+    per_block = (768 + 1) + 1 + value_channels * (768 + 1) + read  # beta_proj, beta_open, v_proj, the read vector
     extra = 24 * per_block + read  # + read_out
     assert delta_params - gpt2_params == extra
     assert delta_params / gpt2_params <= budget
@@ -398,6 +398,8 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
         "modeling_delta_gpt.py",
         "modeling_delta_llama.py",
         "delta_layers.py",
+        "delta_model.py",
+        "delta_reads.py",
         "delta_net.py",
         "delta_ops.py",
         "delta_compat.py",

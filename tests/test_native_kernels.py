@@ -38,7 +38,7 @@ from test_fused_delta import EPS, dense_reference, make_inputs
 from test_variants import variant_model
 
 import ddl_hf.native as native
-from ddl_hf.delta_layers import DeltaResidual, DeltaStateConv
+from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_ops import (
     DeltaKernel,
     fused_delta_update,
@@ -48,6 +48,7 @@ from ddl_hf.delta_ops import (
     temporal_conv,
     temporal_conv_read,
 )
+from ddl_hf.delta_reads import DeltaStateConv
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
 from ddl_hf.native import NATIVE_OPS, NativeKernelUnavailable, disable_native_kernels, enable_native_kernels
 

@@ -46,7 +46,7 @@ def test_the_sigmoid_value_update_is_the_closed_form_in_float64(d_v, mode, grad)
     state = torch.randn(2, 3, 32, *((d_v,) if d_v > 1 else ()), generator=g, dtype=torch.float64)
     c, h, r = (torch.randn(2, 3, 32, generator=g, dtype=torch.float64) for _ in range(3))
     with torch.set_grad_enabled(grad):
-        new_state, beta = module(state, lambda x: (c, h), read=r)  # (norm(r), sublayer(norm(r)))
+        new_state, beta = module(state, r, c, h)  # X, its read r, c = norm(r), h = sublayer(c)
     assert new_state.requires_grad == grad
 
     w, b = module.beta_proj.weight[0].detach(), module.beta_proj.bias.detach()
@@ -87,13 +87,11 @@ def test_a_shared_read_is_the_per_residual_read_with_the_mlp_read_tied_to_the_at
     scramble_delta_weights(shared)
     own = delta_model(**fields)
     missing, unexpected = own.load_state_dict(shared.state_dict(), strict=False)
-    assert not unexpected and missing and all(".mlp_delta.read_" in name for name in missing)
+    assert not unexpected and missing and all(".mlp_read." in name for name in missing)
     with torch.no_grad():
         for block in own.transformer.h:
-            block.mlp_delta.read_weights.copy_(block.attn_delta.read_weights)
-            if read != "linear":
-                block.mlp_delta.read_conv.weight.copy_(block.attn_delta.read_conv.weight)
-    assert not [n for n, _ in shared.named_parameters() if ".mlp_delta.read_" in n]
+            block.mlp_read.load_state_dict(block.attn_read.state_dict())
+    assert not [n for n, _ in shared.named_parameters() if ".mlp_read." in n]
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(shared(ids).logits, own(ids).logits, rtol=0, atol=1e-5)
@@ -131,10 +129,11 @@ def test_the_reference_init_of_every_delta_parameter_follows_the_formulas():
     assert bias.abs().max() <= bound and abs(float(bias.mean())) <= 5 * bound / math.sqrt(3 * bias.numel())
     assert torch.equal(pooled(model, "beta_proj.bias"), torch.zeros(2 * layers))  # logit(1 / 2)
     assert torch.equal(pooled(model, "beta_open"), torch.ones(2 * layers))
-    assert torch.equal(pooled(model, "read_conv.weight"), torch.full((layers * width * d_v * 4,), 0.25))
-    assert torch.equal(pooled(model, "read_out_conv.weight"), torch.full((width * d_v * 4,), 0.25))
+    assert torch.equal(pooled(model, "_read.conv.weight"), torch.full((layers * width * d_v * 4,), 0.25))  # shared
+    assert torch.equal(pooled(model, "read_out.conv.weight"), torch.full((width * d_v * 4,), 0.25))
     assert torch.equal(
-        torch.cat([pooled(model, "read_weights"), pooled(model, "read_out")]), torch.full(((layers + 1) * d_v,), 0.25)
+        torch.cat([pooled(model, "_read.weights"), pooled(model, "read_out.weights")]),
+        torch.full(((layers + 1) * d_v,), 0.25),
     )
     expand = model.transformer.embed_expand.weight
     assert torch.equal(expand, model.transformer.embed_expand.identity())

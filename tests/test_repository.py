@@ -80,3 +80,24 @@ def test_the_readme_is_a_short_front_door_that_starts_with_set_up_demo_and_tests
     assert demo.startswith("pip install") and demo.endswith("python examples/demo.py"), demo
     assert tests.startswith("pip install") and tests.endswith("python -m pytest"), tests
     assert "python -m pytest" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+BLOCKS = {"modeling_delta_gpt.py": "DeltaGPTBlock", "modeling_delta_llama.py": "DeltaLlamaDecoderLayer"}
+BLOCK_FORWARD_MAX_LINES = 15
+
+
+def test_each_block_forward_is_eq_2_5_in_a_dozen_lines_without_closures():
+    """A Delta block reads straight down as the paper's equation (read, norm, sublayer, Delta update; twice): its
+    `forward` body, docstring aside, stays short and hands no function to another module. The mutant this catches is
+    the earlier form, which built `attention` / `mlp` closures and passed them to the residual."""
+    import ast
+
+    for file, block in BLOCKS.items():
+        tree = ast.parse((ROOT / file).read_text(encoding="utf-8"))
+        (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == block]
+        (forward,) = [node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "forward"]
+        body = forward.body[1:] if isinstance(forward.body[0], ast.Expr) else forward.body  # the docstring
+        lines = body[-1].end_lineno - body[0].lineno + 1
+        assert lines <= BLOCK_FORWARD_MAX_LINES, f"{block}.forward has {lines} lines"
+        nested = [n for n in ast.walk(forward) if isinstance(n, (ast.FunctionDef, ast.Lambda)) and n is not forward]
+        assert not nested, f"{block}.forward defines a function: {[type(n).__name__ for n in nested]}"

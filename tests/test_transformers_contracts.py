@@ -95,6 +95,6 @@ def test_keep_in_fp32_modules_names_only_modules_the_model_has(name):
         if any(re.fullmatch(rf"(?:.*\.)?(?:{entry})", n) for n, _ in model.named_modules())
     }
     assert set(model._keep_in_fp32_modules) == has
-    assert r".+\.(?:attn|mlp)_delta" in has
+    assert r".+\.(?:attn|mlp)_(?:delta|read)" in has
     assert ("embed_expand" in has) == (model.config.delta_embed_expand == "conv")
     assert (r".+\.attn\.b_proj$" in has) == (getattr(model.config, "token_mixer", "attention") == "delta_net")

@@ -9,7 +9,6 @@ from builders import VOCAB, delta_model, open_gates
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_of
-from ddl_hf.delta_layers import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 from ddl_hf.delta_ops import (
     channel_conv,
     channel_conv_read,
@@ -18,6 +17,7 @@ from ddl_hf.delta_ops import (
     temporal_conv,
     temporal_conv_read,
 )
+from ddl_hf.delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -177,14 +177,14 @@ def test_model_reads_are_the_convolution_then_the_read_vector() -> None:
                 if t - (size - 1) + j >= 0:
                     state0[:, t] += expand[..., j] * embeddings[:, t - (size - 1) + j, :, None]
         torch.testing.assert_close(out.expanded_states[0], state0, rtol=0, atol=1e-6)
-        delta = base.h[1].attn_delta
+        read = base.h[1].attn_read
         state = out.expanded_states[1]
         conv = torch.zeros_like(state)
         for t in range(6):
             for j in range(size):
                 if t - (size - 1) + j >= 0:
-                    conv[:, t] += delta.read_conv.weight[..., j] * state[:, t - (size - 1) + j]
-        torch.testing.assert_close(delta.read(state), conv @ delta.read_weights, rtol=0, atol=1e-6)
+                    conv[:, t] += read.conv.weight[..., j] * state[:, t - (size - 1) + j]
+        torch.testing.assert_close(read(state), conv @ read.weights, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides", TEMPORAL, ids=lambda o: "-".join(f"{v}" for v in o.values()))

@@ -12,6 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ..configuration_delta_gpt import DeltaGPTConfig
+from ..delta_reads import DeltaRead
 from ..modeling_delta_gpt import DeltaGPTForCausalLM
 from .converting import CHECKPOINT_KEYS, _quiet_transformers, delta_config_fields
 
@@ -58,9 +59,11 @@ def check_exportable(model, target: str) -> None:
             "residual state; only a model whose convolutions still have their identity weights can be exported."
         )
     if config.delta_value_channels > 1:
-        reads = {f"{model.base_model_prefix}.read_out": model.base_model.read_out}
-        for name, residual in model.delta_residuals().items():
-            reads[f"{name}.read_weights"] = residual.read_weights
+        reads = {
+            f"{name}.weights": module.weights
+            for name, module in model.named_modules()
+            if isinstance(module, DeltaRead) and module.weights is not None
+        }
         sums = {name: float(w.detach().float().sum()) for name, w in reads.items()}
         off = {name: total for name, total in sums.items() if abs(total - 1.0) > 1e-6}
         if off:

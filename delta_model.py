@@ -1,0 +1,497 @@
+"""The Delta model around its layers, shared by every Delta model family (DeltaGPT, DeltaLlama).
+
+What a Delta base model adds around its stack of blocks (`DeltaStackMixin`: the cache, the convolution context of
+packed and padded rows, the expansion of the embedding, the records behind `hidden_states` / `expanded_states`, the
+read-out before the final norm), and what its `PreTrainedModel` base adds (`DeltaPreTrainedMixin`: which modules and
+parameters are Delta, their initialisation, the cache `generate` needs, the names older directories saved the reads
+under). Also the input checks and the serving-engine policy. The layers are in `delta_layers.py` and
+`delta_reads.py`, the math in `delta_ops.py`.
+
+Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
+`save_pretrained` copies next to the weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+# First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
+from .delta_compat import (
+    CACHE_ARG,
+    WeightRenaming,
+    check_checkpoint_format,
+    hidden_states_indices,
+    register_checkpoint_conversion_mapping,
+    was_loaded,
+)
+
+# isort: split
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation import GenerationMode
+
+from .delta_layers import (
+    DeltaResidual,
+    beta_upper_bound,
+    init_delta_residual_as_reference,
+    init_delta_residual_exactly,
+    resolve_delta_init,
+)
+from .delta_net import NO_CACHE_ROLLBACK, DeltaNetCache, require_delta_net_cache
+from .delta_reads import (
+    DeltaConvContext,
+    DeltaEmbedExpand,
+    DeltaRead,
+    DeltaStateCache,
+    DeltaStateConv,
+    DeltaWindowsMixin,
+)
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Delta steps around a stack of layers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeltaOutputs:
+    """The Delta models' outputs besides transformers' (a family's output class lists it first among its bases, so
+    that these fields come after the transformers output's own):
+
+    betas (`tuple[torch.FloatTensor]`, *optional*, returned with `output_betas=True`):
+        One `[batch_size, seq_len]` tensor per Delta residual, two per layer (attention, then MLP).
+    expanded_states (`tuple[torch.FloatTensor]`, *optional*, with `output_expanded_states=True`, d_v > 1 only):
+        The residual state `[batch_size, seq_len, hidden_size, d_v]` entering every layer and leaving the last one.
+    """
+
+    betas: tuple[torch.FloatTensor, ...] | None = None
+    expanded_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+def uses_delta_net(config: PreTrainedConfig) -> bool:
+    """Whether the token mixer is DeltaNet (DeltaGPT's `token_mixer="delta_net"`; DeltaLlama always attends)."""
+    return getattr(config, "token_mixer", "attention") == "delta_net"
+
+
+@dataclass
+class StateRecords:
+    """What a forward records of the residual state for its outputs: `hidden` (the `output_hidden_states` request: a
+    flag, or indices where transformers takes them), `expanded` (`output_expanded_states`), and per layer its input
+    state and that state's `[.., hidden_size]` entry of `hidden_states` (the state itself at d_v = 1)."""
+
+    hidden: object
+    expanded: bool
+    states: list[torch.Tensor] = field(default_factory=list)
+    reads: list[torch.Tensor] = field(default_factory=list)
+
+
+class _ReadInGraph(torch.autograd.Function):
+    """The expanded state X unchanged, with its read h = X w made one of its parents, so that a `hidden_states` entry
+    is in the graph as GPT-2's are (`h.retain_grad()` works). The gradient reaching X passes on whole: its component
+    along u = w / |w|^2 goes through h (dL/dh holding X - h u^T fixed), the rest straight to X."""
+
+    @staticmethod
+    def forward(ctx, read: torch.Tensor, state: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u, w)
+        return state.view_as(state)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        u, w = ctx.saved_tensors
+        grad_read = grad @ u
+        return grad_read, grad - grad_read.unsqueeze(-1) * w, None, None
+
+
+class DeltaStackMixin:
+    """The Delta steps a base model adds around its stack of layers (DeltaGPT, DeltaLlama): the cache, the context of
+    the temporal convolutions, X_0 from the embedding, the state records for the outputs. Needs `value_channels`,
+    `embed_expand` and `read_out` (a `DeltaRead`) on the model."""
+
+    def delta_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
+        """The cache to run with: a new one of the kind the variant needs when asked for (`use_cache`), else the given
+        one, refused where it cannot keep what runs over tokens (DeltaNet's state, the TC / EC windows)."""
+        config = self.config
+        delta_net = uses_delta_net(config)
+        if use_cache and cache is None:
+            if delta_net:
+                cache = DeltaNetCache(config)
+            else:
+                cache = DeltaStateCache(config) if config.delta_temporal else DynamicCache(config=config)
+        if delta_net:
+            require_delta_net_cache(cache)
+        elif config.delta_temporal and cache is not None and not isinstance(cache, DeltaWindowsMixin):
+            raise TypeError(
+                f"delta_state_read={config.delta_state_read!r} / delta_embed_expand="
+                f"{config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
+                f"got {type(cache).__name__}; pass cache=DeltaStateCache(model.config) or let the "
+                "model create it (use_cache=True)."
+            )
+        return cache
+
+    def delta_context(
+        self,
+        attention_mask: torch.Tensor | dict | None,
+        cache: Cache | None,
+        position_ids: torch.Tensor | None,
+        shape: tuple[int, int],
+        past_seen_tokens: int,
+        kwargs: dict,
+    ) -> DeltaConvContext:
+        """What runs over tokens needs besides its input: the 2-D padding mask, the cache of the convolution windows
+        (not under gradient checkpointing, whose recomputed layers must not write twice), and where packed documents
+        start (`position_ids` restarting at 0, flash-attention's `cu_seq_lens` kwargs)."""
+        config = self.config
+        starts = None
+        if config.delta_temporal or uses_delta_net(config):
+            cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
+            starts = packed_document_starts(position_ids, cu_seq_lens, shape, past_seen_tokens)
+        two_d = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
+        checkpointing = self.gradient_checkpointing and self.training
+        return DeltaConvContext(
+            token_mask=attention_mask if two_d else None,
+            cache=cache if config.delta_temporal and not checkpointing else None,
+            document_starts=starts,
+        )
+
+    def state_records(self, kwargs: dict) -> StateRecords | None:
+        """Takes the output flags out of `kwargs` and returns where to record the states for `hidden_states` /
+        `expanded_states`, or None when neither is asked for (`betas` and `attentions` are transformers' recorders)."""
+        hidden = kwargs.pop("output_hidden_states", None)
+        hidden = self.config.output_hidden_states if hidden is None else hidden
+        expanded = bool(kwargs.pop("output_expanded_states", False)) and self.value_channels > 1
+        for flag in ("output_attentions", "output_betas"):
+            kwargs.pop(flag, None)
+        hidden = None if hidden is None or hidden is False else hidden
+        return StateRecords(hidden, expanded) if hidden is not None or expanded else None
+
+    def expand_state(self, embeddings: torch.Tensor, context: DeltaConvContext) -> torch.Tensor:
+        """X_0: the embedding itself (d_v = 1), convolved into the channels (EC), or repeated over them (a view)."""
+        if self.embed_expand is not None:
+            return self.embed_expand(embeddings, context)
+        if self.value_channels > 1:
+            return embeddings.unsqueeze(-1).expand(*embeddings.shape, self.value_channels)
+        return embeddings
+
+    def record_state(self, state: torch.Tensor, records: StateRecords | None) -> torch.Tensor:
+        """Record a layer's input state and its `hidden_states` entry: at d_v > 1 its read with the final read vector,
+        made one of the state's parents when autograd is on, so that the entry is in the graph as GPT-2's are."""
+        if records is None:
+            return state
+        read = state
+        if self.value_channels > 1:
+            w = self.read_out.weights.detach().to(state.dtype)
+            read = state @ w
+            if torch.is_grad_enabled():
+                norm = w @ w
+                u = torch.where(norm > 0, w / norm, torch.zeros_like(w))  # w = 0: the read carries no gradient
+                state = _ReadInGraph.apply(read, state, u, w)
+        records.states.append(state)
+        records.reads.append(read)
+        return state
+
+    def state_outputs(
+        self, records: StateRecords | None, final_state: torch.Tensor, last_hidden_state: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor | None, ...] | None]:
+        """`hidden_states` (transformers' contract: `[batch, seq_len, hidden_size]`, one per layer input and the
+        final `last_hidden_state`; None where a chosen-layer request skips one) and `expanded_states` (the states
+        `[.., hidden_size, d_v]` entering every layer, and the last one)."""
+        if records is None:
+            return {"hidden_states": None, "expanded_states": None}
+        hidden = None
+        if records.hidden is not None:
+            entries = (*records.reads, last_hidden_state)
+            chosen = set(hidden_states_indices(self, records.hidden, len(entries)))
+            hidden = tuple(entry if i in chosen else None for i, entry in enumerate(entries))
+        expanded = (*records.states, final_state) if records.expanded else None
+        return {"hidden_states": hidden, "expanded_states": expanded}
+
+
+def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
+    """A clear error for token ids outside the vocabulary (not an index error deep inside the embedding), checked on
+    the device without making the host wait (`torch._assert_async`)."""
+    if input_ids is None or not input_ids.numel():
+        return
+    inside = ((input_ids >= 0) & (input_ids < vocab_size)).all()
+    torch._assert_async(
+        inside,
+        f"input_ids contain token ids outside [0, vocab_size={vocab_size}). Use the tokenizer the model was trained "
+        "with, or call model.resize_token_embeddings(len(tokenizer)) after adding tokens.",
+    )
+
+
+def packed_document_starts(
+    position_ids: torch.Tensor | None,
+    cu_seq_lens: torch.Tensor | None,
+    shape: tuple[int, int],
+    past_seen_tokens: int,
+) -> torch.Tensor | None:
+    """Where documents start in packed rows, `[B, T]` bool, for what runs over tokens (the DeltaNet mixer's state and
+    short convolution, the TC / EC convolutions of the residual state); None when nothing can start.
+
+    Packed / padding-free batches (trl `packing=True`, `DataCollatorWithFlattening`) put several documents in one
+    row: a document starts where the caller's `position_ids` restart at 0, and at every `cu_seq_lens` boundary
+    (cumulative lengths over the flattened batch, as flash-attention kwargs). A cache that already holds tokens
+    cannot be continued by a new document (its state belongs to the previous one): refused, on the device.
+    """
+    if position_ids is None and cu_seq_lens is None:
+        return None
+    if past_seen_tokens and cu_seq_lens is not None:
+        raise ValueError(
+            f"Packed input (cu_seq_lens) cannot continue a cache that already holds {past_seen_tokens} tokens, whose "
+            "recurrent state / convolution windows belong to the previous document. Run packed rows without a cache."
+        )
+    device = (position_ids if cu_seq_lens is None else cu_seq_lens).device
+    starts = torch.zeros(shape, dtype=torch.bool, device=device)
+    if position_ids is not None:
+        starts = starts | (position_ids == 0)
+    if cu_seq_lens is not None:
+        # Every boundary but the last marks a start; one slot past the end takes those beyond the tokens.
+        numel = starts.numel()
+        boundaries = cu_seq_lens[:-1].long().clamp(0, numel)
+        marks = torch.zeros(numel + 1, dtype=torch.int32, device=device).index_add_(
+            0, boundaries, torch.ones_like(boundaries, dtype=torch.int32)
+        )
+        starts = starts | (marks[:numel] > 0).view(shape)
+    if past_seen_tokens:
+        torch._assert_async(
+            ~starts.any(),
+            "Packed input (position_ids restarting at 0) cannot continue a cache that already holds "
+            f"{past_seen_tokens} tokens, whose recurrent state / convolution windows belong to the previous "
+            "document. Run packed rows without a cache (or with an empty one).",
+        )
+        return None  # nothing starts: the usual decoding path
+    return starts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Directories saved before the reads became modules of the block
+# ----------------------------------------------------------------------------------------------------------------
+
+#: (old name, new name) of the read parameters: until e568c07 a residual held its read (`attn_delta.read_weights`,
+#: `attn_delta.read_conv.weight`) and the model its read-out (`read_out`, `read_out_conv.weight`). transformers renames
+#: them on load and back on save (its conversion mapping), so a directory round-trips under the names it has.
+RENAMED_WEIGHTS = (  # regex sources, reversed on save: no `$` or escapes, which the reversal would keep
+    ("attn_delta.read_weights", "attn_read.weights"),
+    ("attn_delta.read_conv.weight", "attn_read.conv.weight"),
+    ("mlp_delta.read_weights", "mlp_read.weights"),
+    ("mlp_delta.read_conv.weight", "mlp_read.conv.weight"),
+    ("read_out_conv.weight", "read_out.conv.weight"),
+    ("read_out(?![_.])", "read_out.weights"),  # the bare parameter, not `read_out_conv` / the new names
+)
+
+
+def register_renamed_weights(model_type: str) -> None:
+    """Load directories saved under the old read names (`RENAMED_WEIGHTS`) through transformers' own renaming."""
+    renames = [WeightRenaming(source_patterns=old, target_patterns=new) for old, new in RENAMED_WEIGHTS]
+    register_checkpoint_conversion_mapping(model_type, renames, overwrite=True)
+
+
+class DeltaSite(NamedTuple):
+    """Where a Delta residual sits: its module name, its short label, the module, and the norm feeding it."""
+
+    name: str
+    short_name: str
+    residual: nn.Module
+    norm: nn.Module
+
+
+#: `config._attn_implementation` under the serving engines' Transformers backends, which run the model with every
+#: scheduled sequence packed into one row and no cache, so nothing carries over from one decoding step to the next
+#: (vLLM: "vllm", "vllm_mla"; SGLang: "sglang", the same contract, not tested here). docs/serving.md.
+SERVING_ENGINES = {"vllm": "vLLM", "vllm_mla": "vLLM", "sglang": "SGLang"}
+
+
+def state_across_tokens(config: PreTrainedConfig) -> list[str]:
+    """The settings of `config` that carry state from one token to the next (TC, EC, the DeltaNet mixer): what a
+    cache must keep between decoding steps. Empty for every other variant."""
+    settings = []
+    if config.delta_state_read == "temporal_conv":
+        settings.append("delta_state_read='temporal_conv' (TC)")
+    if config.delta_embed_expand == "conv":
+        settings.append("delta_embed_expand='conv' (EC)")
+    if getattr(config, "token_mixer", "attention") == "delta_net":
+        settings.append("token_mixer='delta_net' (DeltaNet)")
+    return settings
+
+
+def refuse_state_across_tokens_in_serving_engines(config: PreTrainedConfig) -> None:
+    """One ValueError, while the engine builds the model, for a variant with state across tokens under a serving
+    engine's Transformers backend: its tokens would differ from `generate`'s without an error. Nothing elsewhere."""
+    engine = SERVING_ENGINES.get(getattr(config, "_attn_implementation", None))
+    settings = state_across_tokens(config)
+    if engine is None or not settings:
+        return
+    name = type(config).__name__.removesuffix("Config")
+    raise ValueError(
+        f"{name} with {' and '.join(settings)} carries state across tokens, which {engine}'s Transformers backend "
+        "does not keep between decoding steps (it runs the model without a cache), so its tokens would differ from "
+        "generate's: refused. Serve this model with transformers (generate, pipeline), or serve a variant without "
+        "state across tokens (delta_state_read='linear' or 'channel_conv', delta_embed_expand='repeat', "
+        "token_mixer='attention'); see ddl-hf's docs/serving.md."
+    )
+
+
+#: The modules that a source checkpoint lacks: their parameters are `delta_parameters()`.
+DELTA_MODULES = (DeltaResidual, DeltaRead, DeltaEmbedExpand)
+
+
+class DeltaPreTrainedMixin:
+    """What every Delta model's `PreTrainedModel` base adds: the one place that says which modules and parameters are
+    Delta (conversion, export, DeltaTrainer, DeltaStatsCallback and `ddl-hf inspect` all ask these methods), and the
+    Delta initialisation. The family's base sets `layers_attribute` (its base model's list of layers)."""
+
+    layers_attribute: str = "layers"
+    # transformers' `_keep_in_fp32_modules`: every quantizer (bitsandbytes 4 / 8 bit, ...) leaves these modules
+    # unquantized, and a float16 load keeps their checkpoint tensors in float32 (bf16 loads are unchanged). They are the
+    # precision-critical Delta parts: each residual (the gate `beta_proj` and its MLP form, `beta_open`, `v_proj`), each
+    # block's reads (`attn_read`, `mlp_read`: the read vector and the TC / CC convolution), the read-out's convolution
+    # and EC's; not the read-out's read vector (`read_out.weights`), cast to the state's dtype where it is used.
+    # transformers matches each entry by `re.match` from the start of a module name (quantizers; or a suffix) and by
+    # `re.search` in a parameter name (the float16 plan): `.+\.` ties the names to a layer, so the sublayers' own
+    # `self_attn.v_proj`, `c_attn` still quantize. DeltaNet's beta projection (`attn.b_proj`, num_heads outputs) is kept
+    # out of quantization only: `$` ends at the module name, so no parameter name matches and it keeps the model's
+    # dtype, as the mixer computes it. Each instance declares only the entries it has a module for (`post_init`), as
+    # transformers' `test_keep_in_fp32_modules_exist` asks; that test matches state-dict names, which the
+    # quantization-only `$` entry never does by design.
+    _keep_in_fp32_modules = [r".+\.(?:attn|mlp)_(?:delta|read)", r".+\.attn\.b_proj$", "read_out.conv", "embed_expand"]
+
+    def __init__(self, config, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        refuse_state_across_tokens_in_serving_engines(self.config)
+        if uses_delta_net(config):
+            # Stateful: DeltaNet's recurrent state cannot be rolled back, so generate refuses assisted decoding.
+            self._is_stateful = True
+        if state_across_tokens(config):
+            # transformers' capability flag, per instance (it depends on the variant): the convolution windows and the
+            # DeltaNet state have no static cache, so transformers' compiled generation cannot run; tools and tests
+            # that read the flag skip it up front (the refusal in `_prepare_cache_for_generation` stays).
+            self._can_compile_fullgraph = False
+
+    def post_init(self) -> None:
+        names = [name for name, _ in self.named_modules()]
+        self._keep_in_fp32_modules = [
+            entry
+            for entry in type(self)._keep_in_fp32_modules
+            if any(re.fullmatch(rf"(?:.*\.)?(?:{entry})", name) for name in names)
+        ]
+        super().post_init()
+
+    def delta_residuals(self, short_names: bool = False) -> dict[str, nn.Module]:
+        """Every Delta residual in forward order (per layer: attention, then MLP), by module name.
+
+        Names are relative to this model (`transformer.h.0.attn_delta` on a head model), or `L0.attn`, `L0.mlp`, ...
+        with `short_names=True`. A wrapper that a tool put in a residual's place (peft's `modules_to_save`) is
+        returned as it is: it runs, and forwards attribute access to, the active copy.
+        """
+        return {site.short_name if short_names else site.name: site.residual for site in self.delta_sites()}
+
+    def delta_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that the source checkpoint does not have (gates, values, reads), by name."""
+        owners = tuple(f"{name}." for name, module in self.named_modules() if isinstance(module, DELTA_MODULES))
+        return {name: p for name, p in self.named_parameters() if name.startswith(owners)}
+
+    @torch.no_grad()
+    def beta_upper_bounds(self) -> dict[str, float]:
+        """The largest beta each Delta residual can produce over every input (see `beta_upper_bound`)."""
+        return {site.name: beta_upper_bound(site.residual, site.norm) for site in self.delta_sites()}
+
+    def _base_prefix(self) -> str:
+        return "" if self.base_model is self else f"{self.base_model_prefix}."
+
+    def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
+        """Refuse assisted decoding up front for a DeltaNet model, naming why (transformers' own check says only
+        "stateful model"): it needs to roll the cache back over the rejected draft tokens."""
+        if uses_delta_net(self.config) and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(NO_CACHE_ROLLBACK.format(role="with assisted / speculative decoding or prompt lookup"))
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """`generate` builds a DynamicCache from the config; DeltaNet needs its recurrent-state cache, and a temporal
+        variant the cache that keeps its convolution windows."""
+        config = self.config
+        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
+        delta_net = uses_delta_net(config)
+        if delta_net:
+            require_delta_net_cache(model_kwargs.get(CACHE_ARG))  # before generate asks it for its length
+            if getattr(generation_config, "is_assistant", False):
+                raise ValueError(NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
+        if not (delta_net or config.delta_temporal) or not wants_new_cache:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
+                "token_mixer='delta_net' or a temporal Delta variant (their caches keep recurrent states or "
+                "convolution windows). Leave cache_implementation unset."
+            )
+        model_kwargs[CACHE_ARG] = DeltaNetCache(config) if delta_net else DeltaStateCache(config)
+
+    def delta_sites(self) -> list[DeltaSite]:
+        """Every Delta residual with its name, short name and the norm that feeds its sublayer and gate."""
+        prefix = f"{self._base_prefix()}{self.layers_attribute}"
+        return [
+            DeltaSite(f"{prefix}.{i}.{attr}", f"L{i}.{attr.removesuffix('_delta')}", residual, norm)
+            for i, layer in enumerate(getattr(self.base_model, self.layers_attribute))
+            for attr, (residual, norm) in layer.delta_residuals().items()
+        ]
+
+    def _initialize_missing_keys(self, is_quantized: bool) -> None:
+        """Loading a checkpoint: Delta parameters it lacks (a source checkpoint: conversion) get the exact init
+        unless the config asks otherwise, so `delta_init=None` never changes a converted model's function. A load
+        that supplied no weight at all (`from_pretrained(None, config=..., state_dict={})`, as sharded loading and
+        transformers' own init tests do) builds the model from its config, as `XxxForCausalLM(config)` does."""
+        tied = set(self._tied_weights_keys or ())  # marked as loaded even when the checkpoint lacks both ends
+        supplied = any(was_loaded(p) for name, p in self.named_parameters() if name not in tied)
+        resolve_delta_init(self.config, loading=supplied)
+        super()._initialize_missing_keys(is_quantized)
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """A ddl-hf 0.1 checkpoint (0-dim `beta_open`) is refused with one line naming `ddl-hf upgrade`."""
+        check_checkpoint_format(self, loading_info)
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+
+    def initialize_weights(self) -> None:
+        """Built from its config (from scratch): `delta_init=None` becomes the reference code's init."""
+        resolve_delta_init(self.config, loading=False)
+        super().initialize_weights()
+
+    def init_delta_weights(self, module: nn.Module) -> None:
+        """The Delta part of `_init_weights`: residuals that start at exactly `config.delta_beta_init` (or the
+        reference's start), read vectors at 1 / d_v, identity (exact) or averaging (reference) convolutions."""
+        config = self.config
+        resolve_delta_init(config, loading=False)  # no-op once resolved
+        if isinstance(module, DeltaResidual):
+            if config.delta_init == "reference":
+                init_delta_residual_as_reference(module, float(config.delta_beta_init))
+            else:
+                init_delta_residual_exactly(module, float(config.delta_beta_init), config.initializer_range)
+        elif isinstance(module, DeltaRead) and module.weights is not None:
+            init.constant_(module.weights, 1.0 / module.weights.numel())
+        elif isinstance(module, DeltaStateConv):
+            if config.delta_init == "exact":
+                init.copy_(module.weight, module.identity())
+            else:
+                init.constant_(module.weight, 1.0 / module.size)
+        elif isinstance(module, DeltaEmbedExpand):
+            init.copy_(module.weight, module.identity())  # the reference code starts EC as the repeat, too
+
+
+__all__ = [
+    "DELTA_MODULES",
+    "RENAMED_WEIGHTS",
+    "DeltaOutputs",
+    "DeltaPreTrainedMixin",
+    "DeltaSite",
+    "DeltaStackMixin",
+    "StateRecords",
+    "check_token_ids",
+    "packed_document_starts",
+    "refuse_state_across_tokens_in_serving_engines",
+    "register_renamed_weights",
+    "state_across_tokens",
+    "uses_delta_net",
+]
