@@ -1,4 +1,4 @@
-"""benchmarks/bench_pretrain.py: its statistics against closed forms, and the whole study pipeline at toy size."""
+"""studies/bench_pretrain.py: its statistics against closed forms, and the whole study pipeline at toy size."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "studies"))
 import bench_finetune  # noqa: E402
 import bench_pretrain  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_pretrain_controls.py: the write-only twins, the plan, and the `--quick` pipeline end to end."""
+"""studies/bench_pretrain_controls.py: the write-only twins, the plan, and the `--quick` pipeline end to end."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "studies"))
 import bench_pretrain  # noqa: E402
 import bench_pretrain_controls as controls  # noqa: E402
 import bench_pretrain_scaling as scaling  # noqa: E402

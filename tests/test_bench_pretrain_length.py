@@ -1,4 +1,4 @@
-"""benchmarks/bench_pretrain_length.py: plan, rate search and trend against closed forms; `--quick` end to end."""
+"""studies/bench_pretrain_length.py: plan, rate search and trend against closed forms; `--quick` end to end."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "studies"))
 import bench_pretrain  # noqa: E402
 import bench_pretrain_length as length  # noqa: E402
 import bench_pretrain_scaling as scaling  # noqa: E402

@@ -1,4 +1,4 @@
-"""benchmarks/bench_pretrain_scaling.py: its plan, statistics and report against runs whose differences are known.
+"""studies/bench_pretrain_scaling.py: its plan, statistics and report against runs whose differences are known.
 
 The runs are synthetic (`bench_pretrain.train_one` and the data are replaced): each variant's final loss is the
 baseline's plus a chosen difference per width and learning rate, so every number the analysis reports has a
@@ -18,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "studies"))
 import bench_pretrain  # noqa: E402
 import bench_pretrain_scaling as scaling  # noqa: E402
 

@@ -4,7 +4,7 @@ What a CPU can check: the argument mapping, numerically, through Triton's interp
 before Triton is imported, hence a subprocess) for fla's recurrent kernel, against our recurrent reference; which
 kernel is chosen and with what arguments (a stub fla); the entry point's dispatch and fallback; the registration on
 `import ddl_hf`. What it cannot: fla's chunked kernel (it needs a GPU driver even under the interpreter: it is called
-with the recurrent kernel's arguments, checked here with the stub) and any speed (`benchmarks/gpu_check.py` on a
+with the recurrent kernel's arguments, checked here with the stub) and any speed (`checks/gpu_check.py` on a
 device).
 """
 

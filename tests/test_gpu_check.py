@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py: its tiny CPU mode runs every section's code path and writes every result.
+"""checks/gpu_check.py: its tiny CPU mode runs every section's code path and writes every result.
 
 The run is a subprocess in which `datasets` cannot be imported, as on the GPU machine the check is written for.
 Two variants keep it short and still cover both families, d_v = 4, paper mode, the TC read (whose static cache is
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checks"))
 import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "checks" / "gpu_check.py"
 
 VARIANTS = ("paper-dv4-tc", "llama-paper-dv4")
 # sys.modules[name] = None makes `import name` fail, as where the package is not installed.
@@ -46,7 +46,7 @@ def run(tmp_path_factory) -> tuple[dict, str]:
 def test_results_say_where_they_come_from(run):
     results, md = run
     provenance = results["provenance"]
-    assert "benchmarks/gpu_check.py --device cpu --tiny" in provenance["command"]
+    assert "checks/gpu_check.py --device cpu --tiny" in provenance["command"]
     assert "commit" in provenance["git"]
     assert provenance["versions"]["torch"] == torch.__version__ and provenance["versions"]["transformers"]
     assert results["device"]["device"] == "cpu" and results["device"]["name"]

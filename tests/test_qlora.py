@@ -255,9 +255,9 @@ def test_lora_trains_on_the_quantized_model(saved, kind, quantization):
 @pytest.mark.parametrize("kind", ["gpt_variants", "delta_net", "llama_variants"])
 def test_float16_load_keeps_the_delta_modules_in_float32(saved, kind, tmp_path):
     """The same names under `dtype=torch.float16`: the Delta parameters (not the read-out's read vector
-    `read_out.weights`, cast where it is used) load in float32, everything else in float16; DeltaNet's beta projection follows the
-    model's dtype. bfloat16 loads are unchanged. Saving and reloading round-trips; `.half()` and `.to(bfloat16)` cast
-    everything."""
+    `read_out.weights`, cast where it is used) load in float32, everything else in float16; DeltaNet's beta
+    projection follows the model's dtype. bfloat16 loads are unchanged. Saving and reloading round-trips; `.half()`
+    and `.to(bfloat16)` cast everything."""
     directory, reference = saved[kind]
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16).eval()
     in_float32 = {name for name, p in model.named_parameters() if p.dtype == torch.float32}

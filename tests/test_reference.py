@@ -3,7 +3,7 @@ and one compressor per block, and the preset that assembles their configuration 
 
 References are independent of the implementation: closed-form float64 expressions of their update, the formulas of
 their initialisation, and their parameter-count formulas (docs/variants.md, "The reference preset"). The side-by-side
-run against their own modules is `benchmarks/compare_reference.py` (it needs their code, which CI cannot fetch).
+run against their own modules is `checks/compare_reference.py` (it needs their code, which CI cannot fetch).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def test_the_reference_backbone_init_follows_the_formulas_and_leaves_the_delta_p
 
 
 def test_bench_pretrain_init_reference_gives_baseline_and_delta_models_the_authors_backbone():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
     import bench_pretrain
 
     preset = bench_pretrain.Preset(

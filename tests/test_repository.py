@@ -21,6 +21,8 @@ def test_no_source_test_or_doc_names_an_issue_number():
         *ROOT.glob("ddl_hf/**/*.py"),
         *ROOT.glob("tests/*.py"),
         *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("studies/*.py"),
+        *ROOT.glob("checks/*.py"),
         *ROOT.glob("examples/*.py"),
         *ROOT.glob("conversion/*.py"),
         *ROOT.glob("docs/*.md"),
@@ -38,7 +40,7 @@ def test_no_source_test_or_doc_names_an_issue_number():
 
 def test_no_pickle_style_weights_are_kept_in_the_repository():
     """safetensors (and JSON) only: a pickle runs code when loaded. Trainer's own pickles are written at test time."""
-    folders = ("tests", "ddl_hf", "examples", "benchmarks", "docs", "conversion")
+    folders = ("tests", "ddl_hf", "examples", "benchmarks", "studies", "checks", "docs", "conversion")
     found = [
         str(path.relative_to(ROOT))
         for folder in folders

@@ -2,17 +2,20 @@
 bench_pretrain.py), its convolutions starting as the average over the K taps everywhere, only in the blocks' reads,
 only in the final read, or nowhere (the identity, which computes GPT-2 exactly at step 0).
 
-    python benchmarks/diagnose_averaging_init.py            # the cpu preset, 300 steps, seed 0 (about 6 minutes)
-    python benchmarks/diagnose_averaging_init.py --steps 60 # a quicker look
+    python studies/diagnose_averaging_init.py            # the cpu preset, 300 steps, seed 0 (about 6 minutes)
+    python studies/diagnose_averaging_init.py --steps 60 # a quicker look
 
 Same data, seed, schedule and harness as the study (`bench_pretrain.train_one`); only the convolution weights differ.
-Writes `benchmarks/results/averaging_init.{json,md}`.
+Writes `studies/results/averaging_init.{json,md}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common
 
 import bench_pretrain
 import torch

@@ -1,8 +1,8 @@
 """Fine-tuning a converted model: GPT-2 vs DeltaGPT converted from it (beta = 0), several seeds, paired statistics.
 
-    python benchmarks/bench_pretrain.py              # first: trains (and keeps) the base GPT-2s
-    python benchmarks/bench_finetune.py              # then: ~25 min on 2 CPU cores, results/finetune.{json,md,png}
-    python benchmarks/bench_finetune.py --base gpt2  # any GPT-2 Hub id or directory (online), GPT-2's tokenizer
+    python studies/bench_pretrain.py              # first: trains (and keeps) the base GPT-2s
+    python studies/bench_finetune.py              # then: ~25 min on 2 CPU cores, results/finetune.{json,md,png}
+    python studies/bench_finetune.py --base gpt2  # any GPT-2 Hub id or directory (online), GPT-2's tokenizer
 
 The base is a GPT-2 that has really learned: the from-scratch study's baseline (`bench_pretrain.py`, seed 0: a
 byte-level BPE of 512 tokens, trained on five Austen novels to a validation loss far below the unigram entropy).
@@ -74,7 +74,7 @@ def default_base(pretrain_set: list[str] = ()) -> Path:
     base = bench_pretrain.run_path(folder, "gpt2", 0).with_suffix("")
     if not (base / "config.json").exists():
         raise SystemExit(
-            f"bench_finetune: no base GPT-2 at {base}. Run `python benchmarks/bench_pretrain.py"
+            f"bench_finetune: no base GPT-2 at {base}. Run `python studies/bench_pretrain.py"
             f"{' --set ' + ' '.join(pretrain_set) if pretrain_set else ''}` first (it trains and keeps it), or pass "
             "--base with a GPT-2 Hub id or directory."
         )
@@ -208,7 +208,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common
     from _common import provenance, write_results
 
     args = parse_args(argv)

@@ -1,9 +1,9 @@
 """From scratch at equal budget: GPT-2 against DeltaGPT variants of the same shape, several seeds, paired statistics.
 
-    python benchmarks/bench_pretrain.py --quick      # CI-sized check of the whole pipeline, a few minutes
-    python benchmarks/bench_pretrain.py              # the CPU study (bundled corpus, ~1M-parameter models)
-    python benchmarks/bench_pretrain.py --arch llama # the same on the reference code's backbone, vs DeltaLlama
-    accelerate launch benchmarks/bench_pretrain.py --preset gpt2-small --dataset NAME_OR_PATH   # GPUs, 124M
+    python studies/bench_pretrain.py --quick      # CI-sized check of the whole pipeline, a few minutes
+    python studies/bench_pretrain.py              # the CPU study (bundled corpus, ~1M-parameter models)
+    python studies/bench_pretrain.py --arch llama # the same on the reference code's backbone, vs DeltaLlama
+    accelerate launch studies/bench_pretrain.py --preset gpt2-small --dataset NAME_OR_PATH   # GPUs, 124M
 
 Every variant is trained with `Trainer` (`DeltaTrainer` for DeltaGPT, Delta learning rate x1) on the same blocks in
 the same order (`data_seed` = seed), with the same optimizer, schedule and number of steps; at each seed the weights
@@ -15,7 +15,7 @@ Data (CPU preset): a byte-level BPE trained on five Austen novels (the bundled p
 a sixth novel, *Persuasion*, never seen in training (a split by book). The report gives the validation set's unigram
 entropy, the loss of the best model that ignores context, so that "learned real structure" is a number.
 
-Outputs `benchmarks/results/pretrain.{json,md,png}` (`--name` changes the stem): validation-loss curves with seed
+Outputs `studies/results/pretrain.{json,md,png}` (`--name` changes the stem): validation-loss curves with seed
 bands; final validation loss mean +- std; each variant's paired difference to GPT-2 with a 95% t-interval, at equal
 steps and at equal compute (each variant's measured train-step CPU time); and the share of validation tokens in each
 beta regime (keep < 0.5, project 0.5-1.5, reflect > 1.5) per layer and sublayer of the trained models.
@@ -44,6 +44,7 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCRIPT = Path(__file__).resolve()
+sys.path.insert(0, str(SCRIPT.parents[1] / "benchmarks"))  # _common: what every benchmark and study records
 
 #: name -> (label, Delta config fields; None = the baseline: transformers' GPT2LMHeadModel, or Qwen3ForCausalLM for
 #: --arch llama). "{base}" in a label is the baseline's name (BASE_NAMES).
@@ -876,7 +877,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.replace(tmp, path)  # a run exists only once it is complete
         return result
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common
     from _common import provenance, write_results
 
     prov = provenance(None if argv is None else [__file__, *argv])

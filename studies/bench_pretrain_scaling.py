@@ -4,16 +4,16 @@ The authors' configuration (the Llama-style backbone of their code, their initia
 parameters, the reference preset of each variant) trained from scratch at three widths, each with as many training
 tokens as parameters (at least `MIN_STEPS` steps) and at most two passes over the bundled corpus:
 
-    python benchmarks/bench_pretrain_scaling.py           # the study (about 1.5 h on 2 cores; resumes where it stopped)
-    python benchmarks/bench_pretrain_scaling.py --quick   # the same pipeline on toy sizes (a few minutes)
-    python benchmarks/bench_pretrain_scaling.py --report-only   # the report from the runs finished so far
+    python studies/bench_pretrain_scaling.py           # the study (about 1.5 h on 2 cores; resumes where it stopped)
+    python studies/bench_pretrain_scaling.py --quick   # the same pipeline on toy sizes (a few minutes)
+    python studies/bench_pretrain_scaling.py --report-only   # the report from the runs finished so far
 
 Every run is one `bench_pretrain.py` worker (same harness, data, statistics and per-run cache as the first study;
 a run is written only once complete, so a killed study redoes it and never counts half of it). At the middle width
 every row is also trained at two more learning rates (seed 0) and, where another is better, its remaining seeds
 there; the same rows on GPT-2's backbone give continuity with the first study.
 
-Writes `benchmarks/results/pretrain_scaling.{json,md,png}` and the study's table in `docs/studies.md`.
+Writes `studies/results/pretrain_scaling.{json,md,png}` and the study's table in `docs/studies.md`.
 """
 
 from __future__ import annotations
@@ -472,7 +472,7 @@ def studies_table(results: dict) -> str:
     return "\n".join(
         [
             STUDIES_BEGIN,
-            f"<!-- written by benchmarks/bench_pretrain_scaling.py at commit {prov['git']['commit'][:7]}; "
+            f"<!-- written by studies/bench_pretrain_scaling.py at commit {prov['git']['commit'][:7]}; "
             "edit the script, not this block -->",
             "",
             f"Baseline ({bp.BASE_NAMES['llama']}) final validation loss: {base}.",
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common
     from _common import provenance, write_results
 
     prov = provenance(None if argv is None else [__file__, *argv])

@@ -4,9 +4,9 @@ Studies 2 and 3 trained every row for about one token per parameter; the authors
 study 2's recipe (the Llama-style backbone, the authors' init and reference presets) at one width and trains it for
 several lengths, each a whole run with its warm-up and cosine schedule stretched to its steps:
 
-    python benchmarks/bench_pretrain_length.py           # the study (prints its estimate; resumes where it stopped)
-    python benchmarks/bench_pretrain_length.py --quick   # the same pipeline on toy sizes (under a minute)
-    python benchmarks/bench_pretrain_length.py --report-only   # the report from the runs finished so far
+    python studies/bench_pretrain_length.py           # the study (prints its estimate; resumes where it stopped)
+    python studies/bench_pretrain_length.py --quick   # the same pipeline on toy sizes (under a minute)
+    python studies/bench_pretrain_length.py --report-only   # the report from the runs finished so far
 
 Rates follow study 3's rule per length and row: the lowest mean final validation loss over selection seeds that never
 count in the comparison. The first length tries a 2x ladder; each later length tries the rate the row chose at the
@@ -16,9 +16,9 @@ every length, so each seed gives a paired difference to the baseline per length 
 against log2(tokens per parameter): the trend is the mean of the per-seed slopes with its t-interval.
 
 Every run is one `bench_pretrain.py` worker in study 2's cells and cache (study 3's workers, which know the
-write-only twin), and each finished run is also kept in `benchmarks/results/pretrain_length_runs.jsonl`, from which a
+write-only twin), and each finished run is also kept in `studies/results/pretrain_length_runs.jsonl`, from which a
 fresh cache is refilled, so a study stopped in one session resumes in the next. Writes
-`benchmarks/results/pretrain_length.{json,md,png}` after every phase.
+`studies/results/pretrain_length.{json,md,png}` after every phase.
 """
 
 from __future__ import annotations
@@ -749,7 +749,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common
     from _common import provenance, write_results
 
     prov = provenance(None if argv is None else [__file__, *argv])

@@ -2,7 +2,7 @@
 
     git clone https://github.com/yifanzhang-pro/deep-delta-learning ddl-reference   # needs the network
     git -C ddl-reference checkout 2b55f25
-    python benchmarks/compare_reference.py --reference ddl-reference/model
+    python checks/compare_reference.py --reference ddl-reference/model
 
 For each of their model files (d_v = 1; TC; TC + EC; CC; CC + EC) it builds their block's compressor and Delta
 residual (`compress`, `ddl_attn`) and, for EC, their embedding expander, from their `GPTConfig` at a small width;
@@ -11,7 +11,7 @@ sublayer output and normalised read. It reports the largest difference of the re
 the updated state in float32, and of the update in float64 (their modules run in float64 too). Their code is only
 imported from the directory given, never copied; their TC convolution calls the CUDA package `causal_conv1d`, which
 this script stands in for with the same causal depthwise convolution through `torch.nn.functional.conv1d`.
-Writes `benchmarks/results/reference_agreement.{json,md}`.
+Writes `checks/results/reference_agreement.{json,md}`.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         "ddl_hf_commit": ours,
         "width": WIDTH,
         "value_channels": CHANNELS,
-        "command": " ".join(["python", "benchmarks/compare_reference.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "checks/compare_reference.py", *sys.argv[1:]]),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

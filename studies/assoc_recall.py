@@ -1,7 +1,7 @@
 """Associative recall with overwritten keys: where the delta rule's erase-and-replace matters.
 
-    python benchmarks/assoc_recall.py            # trains 3 models, writes benchmarks/results/assoc_recall.{json,md}
-    python benchmarks/assoc_recall.py --quick    # a few steps each; writes only with --out (assoc_recall_quick.*)
+    python studies/assoc_recall.py            # trains 3 models, writes studies/results/assoc_recall.{json,md}
+    python studies/assoc_recall.py --quick    # a few steps each; writes only with --out (assoc_recall_quick.*)
 
 Task (built by `build_dataset` as a `datasets.Dataset`): each sequence writes `n_keys` distinct keys
 `writes_per_key` times each, every time with a fresh random value, in shuffled order (`k v k v ...`); then a query
@@ -29,6 +29,7 @@ from transformers import Trainer, TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _common
 
 from _common import provenance, write_results  # noqa: E402
 
@@ -119,7 +120,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixers", nargs="+", choices=list(MIXERS), default=list(MIXERS))
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: studies/results)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prov = provenance()
@@ -164,7 +165,7 @@ def main() -> None:
     report = markdown(results)
     print(report)
     if not args.quick:
-        write_results(args.out or ROOT / "benchmarks" / "results", "assoc_recall", results, report)
+        write_results(args.out or ROOT / "studies" / "results", "assoc_recall", results, report)
     elif args.out is not None:  # a smoke run writes only where asked, and never over the real results' names
         write_results(args.out, "assoc_recall_quick", results, report)
 

@@ -1,14 +1,14 @@
 """One-command check of DeltaGPT / DeltaLlama on an accelerator: correctness, no host synchronisation, and cost.
 
-    python benchmarks/gpu_check.py                        # on the GPU; sized for under 8 minutes on one H100
-    python benchmarks/gpu_check.py --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
-    python benchmarks/gpu_check.py --device cpu --tiny --compiled-variants   # without the compiled rows
+    python checks/gpu_check.py                        # on the GPU; sized for under 8 minutes on one H100
+    python checks/gpu_check.py --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
+    python checks/gpu_check.py --device cpu --tiny --compiled-variants   # without the compiled rows
 
 On 2 busy CPU cores the whole tiny run takes a few minutes, most of it dynamo compiling the compiled rows.
 
 Everything is built inside the repository: models from their configs (random weights, the Delta model sharing every
 baseline weight), data from random token ids; nothing is downloaded, and nothing imports `datasets`. Results go to
-`benchmarks/results/gpu_check.{json,md}` (or `--out DIR`) with their command, commit, machine, device and versions.
+`checks/results/gpu_check.{json,md}` (or `--out DIR`) with their command, commit, machine, device and versions.
 
 Sections (each check catches its own exception and is recorded as an error; one failure loses no other result):
 
@@ -45,7 +45,7 @@ from transformers import utils as hf_utils
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ddl_hf
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when imported or run by runpy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common, bench_overhead (imported or run)
 from _common import cpu_model, provenance, write_results
 from bench_overhead import live_bytes, peak_train_bytes
 

@@ -6,14 +6,14 @@ same state, read, compressor and value; only the erase term `- k^T X` removed, `
 d_v = 4 TC and its twin. Each row trains at its own learning rate, chosen on selection seeds that never count in the
 comparison; the comparison seeds (disjoint, asserted) then run at the chosen rates:
 
-    python benchmarks/bench_pretrain_controls.py           # the study (resumes where it stopped; prints an estimate)
-    python benchmarks/bench_pretrain_controls.py --quick   # the same pipeline on toy sizes (about a minute)
-    python benchmarks/bench_pretrain_controls.py --report-only   # the report from the runs finished so far
+    python studies/bench_pretrain_controls.py           # the study (resumes where it stopped; prints an estimate)
+    python studies/bench_pretrain_controls.py --quick   # the same pipeline on toy sizes (about a minute)
+    python studies/bench_pretrain_controls.py --report-only   # the report from the runs finished so far
 
 Every run is one `bench_pretrain.py` worker in study 2's cells and cache (a run at study 2's width, rate and seed is
 the same run and is reused; a killed run is redone). Paired differences with 95% t-intervals at equal steps and at
 equal compute (the dearer run's curve where it has spent the cheaper one's training time, step costs measured in the
-same runs). Writes `benchmarks/results/pretrain_controls.{json,md,png}`.
+same runs). Writes `studies/results/pretrain_controls.{json,md,png}`.
 """
 
 from __future__ import annotations
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common
     from _common import provenance, write_results
 
     prov = provenance(None if argv is None else [__file__, *argv])
