@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_state, provenance, write_results
 from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_step_fn
 
+from ddl_hf.delta_model import RENAMED_WEIGHTS
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -38,8 +40,23 @@ def other_version(code: Path, model: torch.nn.Module) -> torch.nn.Module:
     config = config_class(**fields)
     config._attn_implementation = model.config._attn_implementation
     other = model_class(config)
-    other.load_state_dict(model.state_dict(), strict=True)
+    other.load_state_dict(under_names_of(other, model.state_dict()), strict=True)
     return other
+
+
+def under_names_of(other: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under `other`'s parameter names: code from before the reads became modules of the block names them
+    after the residual (`delta_model.RENAMED_WEIGHTS`, old -> new; a pattern's lookahead is not part of a name)."""
+    if set(state) == set(other.state_dict()):
+        return state
+    renamed = {}
+    for key, value in state.items():
+        for old, new in RENAMED_WEIGHTS:
+            if key.endswith(new):
+                key = key[: -len(new)] + old.split("(")[0]
+                break
+        renamed[key] = value
+    return renamed
 
 
 def main(argv: list[str] | None = None) -> dict:
