@@ -778,16 +778,17 @@ def _cost_line(row: dict) -> str:
 
 def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
     """(section, label, record) of every check with a status."""
-    for key in ("correctness", "sync"):
+    for key in ("correctness", "sync", "fla"):
         section = results.get(key) or {}
         if section.get("status") in ("error", "skipped"):
             yield key, "section", section
         for row in section.get("rows", []):
+            label = row.get("variant") or row.get("case")
             if row.get("status") == "error":
-                yield key, row["variant"], row
+                yield key, label, row
             for name, record in row.items():
                 if isinstance(record, dict) and "status" in record:
-                    yield key, f"{row['variant']} {name}", record
+                    yield key, f"{label} {name}", record
     cost = results.get("cost") or {}
     if cost.get("status") == "error":
         yield "cost", "section", cost
@@ -959,10 +960,104 @@ def markdown(results: dict) -> str:
                         f"{record['delta_bytes'] / 2**20:.0f} |"
                     )
         lines.append("")
+    fla = results.get("fla") or {}
+    if fla:
+        lines += [
+            "## DeltaNet through fla's kernels",
+            "",
+            "The registered delta-rule kernel (fla's chunk form for bf16 and T > 1, fused_recurrent otherwise) against"
+            " `delta_rule_recurrent` in float64 on the device (relative error of output and final state; bound: 8 times"
+            " our torch form's error on the same inputs), then a"
+            " DeltaNet DeltaGPT's bf16 training step with fla against the same step in torch (ratio < 1: fla faster).",
+            "",
+        ]
+        if fla.get("status") in ("skipped", "error"):
+            lines += [f"{fla['status'].capitalize()}: {fla.get('reason') or fla.get('error')}.", ""]
+        else:
+            lines += ["| case | rule vs float64 recurrent |", "|---|---|"]
+            lines += [f"| {row['case']} | {_cell(row['check'])} |" for row in fla["rows"]]
+            lines += ["", f"Training step, fla / torch: {_ratio_cell(fla.get('train_step_fla_vs_torch'))}", ""]
     failures = results["summary"]["failures"]
     lines += ["## Failures", ""]
     lines += [f"- {f['section']}: {f['check']}: {f['status']} {_why(f)}" for f in failures] or ["None."]
     return "\n".join(lines) + "\n"
+
+
+# --- fla: DeltaNet's delta rule through flash-linear-attention's kernels ------------------------------------------
+
+#: (tokens, dtype) of the kernel comparisons: one decoding step, a chunk, several chunks with a ragged end.
+FLA_CASES = ((1, torch.float32), (64, torch.float32), (200, torch.float32), (64, torch.bfloat16), (200, torch.bfloat16))
+
+
+def _rule_error(inputs: list[torch.Tensor], dtype: torch.dtype, exact: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The larger relative error of `delta_rule`'s output and final state in `dtype` against `exact`."""
+    from ddl_hf.delta_ops import delta_rule
+
+    o, final = delta_rule(*(x.to(dtype) for x in inputs[:4]), initial_state=inputs[4])
+    return max(rel_err(o.double(), exact[0]), rel_err(final.double(), exact[1]))
+
+
+def fla_rule_errors(device: torch.device, heads: int = 4, d: int = 64) -> list[dict]:
+    """The registered "delta_rule" kernel (fla's chunk form for half precision and T > 1, else fused_recurrent) on
+    random inputs with an initial state, against `delta_rule_recurrent` in float64 on the same device (relative error
+    of the output and the final state). The bound is derived, not guessed: 8 times the error our torch form makes on
+    the same inputs in the same dtype (most of it the inputs' own rounding), at least 1e-6."""
+    from ddl_hf.delta_ops import delta_rule_recurrent, register_kernel, registered_kernel
+
+    kernel = registered_kernel("delta_rule")
+    rows = []
+    for tokens, dtype in FLA_CASES:
+        g = torch.Generator(device="cpu").manual_seed(tokens)
+        q, k = (torch.nn.functional.normalize(torch.randn(2, heads, tokens, d, generator=g), dim=-1) for _ in "qk")
+        v = torch.randn(2, heads, tokens, d, generator=g)
+        beta = torch.rand(2, heads, tokens, generator=g)
+        state = torch.randn(2, heads, d, d, generator=g) * 0.1
+        inputs = [x.to(device) for x in (q, k, v, beta, state)]
+        exact = delta_rule_recurrent(*(x.double() for x in inputs[:4]), inputs[4].double())
+        error = _rule_error(inputs, dtype, exact)
+        register_kernel("delta_rule", None)
+        try:
+            ours = _rule_error(inputs, dtype, exact)
+        finally:
+            register_kernel("delta_rule", kernel)
+        bound = max(8 * ours, 1e-6)
+        record = {"status": passed(error <= bound), "error": error, "bound": bound, "torch_error": ours}
+        rows.append({"case": f"T={tokens} {str(dtype).removeprefix('torch.')}", "check": record})
+    return rows
+
+
+def fla_section(plan: dict, device: torch.device) -> dict:
+    """fla's kernels against our torch forms on the device: the rule's numbers, then a DeltaNet model's bf16
+    training step with the kernels registered against the same step in torch (ratio < 1: fla is faster)."""
+    from ddl_hf.delta_ops import register_kernel, registered_kernel
+    from ddl_hf.fla_kernels import fla_available
+
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "fla's kernels run on CUDA only"}
+    if not fla_available() or registered_kernel("delta_rule") is None:
+        return {"status": "skipped", "reason": "fla is not installed (pip install 'ddl-hf[fla]')"}
+    section = {"rows": fla_rule_errors(device)}
+    kernel = registered_kernel("delta_rule")
+    config = base_config("gpt2", plan["cost"]).to_dict()
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    torch.manual_seed(1)
+    model = DeltaGPTForCausalLM(DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net")).to(device).train()
+    model.loss_type = "ForCausalLM"
+    ids = random_ids(model.config.vocab_size, plan["cost"]["batch"], plan["cost"]["seq"], seed=5).to(device)
+    step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def torch_step() -> None:
+        register_kernel("delta_rule", None)
+        try:
+            step()
+        finally:
+            register_kernel("delta_rule", kernel)
+
+    pairs = plan["train_pairs"]
+    floor = interleaved(torch_step, torch_step, pairs, device)
+    timing = interleaved(torch_step, step, pairs, device)
+    section["train_step_fla_vs_torch"] = {**timing, "aa_floor": floor, "status": "ok"}
+    return section
 
 
 # --- main --------------------------------------------------------------------------------------------------------
@@ -988,7 +1083,7 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-SECTIONS = ("correctness", "sync", "cost")
+SECTIONS = ("correctness", "sync", "cost", "fla")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1038,6 +1133,8 @@ def main(argv: list[str] | None = None) -> dict:
             run = lambda: correctness_section(plan, device, args.variants)  # noqa: E731
         elif name == "sync":
             run = lambda: sync_section(plan, device, args.variants)  # noqa: E731
+        elif name == "fla":
+            run = lambda: fla_section(plan, device)  # noqa: E731
         else:
             run = lambda: cost_section(  # noqa: E731
                 plan, device, backend, (args.variants, compiled), start, args.budget_s, save

@@ -129,3 +129,30 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
     assert results["summary"]["failures"][0]["section"] == "correctness"
     written = json.loads((tmp_path / "gpu_check.json").read_text())
     assert written["correctness"]["status"] == "error" and "sync" in written
+
+
+def test_the_fla_rows_compare_the_registered_kernel_with_the_float64_reference():
+    """The fla section's comparison, on the CPU: a stand-in kernel registered for CPU tensors (the torch chunkwise
+    form) passes every case and is the one called; a kernel 5% off fails every case. On a GPU the registered kernel
+    is fla's (`ddl_hf.fla_kernels`)."""
+    from ddl_hf.delta_ops import DeltaKernel, delta_rule_chunkwise, register_kernel, registered_kernel
+
+    calls = []
+
+    def chunkwise(q, k, v, beta, initial_state, erase, document_starts, scale=1.0):
+        calls.append(q.shape[2])
+        o, state = delta_rule_chunkwise(q, k, v, beta, initial_state=initial_state, erase=erase)
+        return o * scale, state
+
+    before = registered_kernel("delta_rule")
+    try:
+        register_kernel("delta_rule", DeltaKernel(chunkwise, None, lambda x: True))
+        rows = gpu_check.fla_rule_errors(torch.device("cpu"), heads=2, d=16)
+        assert [row["check"]["status"] for row in rows] == ["pass"] * len(gpu_check.FLA_CASES)
+        assert sorted(set(calls)) == sorted({tokens for tokens, _ in gpu_check.FLA_CASES})  # the kernel ran
+        off = DeltaKernel(lambda *args: chunkwise(*args, scale=1.05), None, lambda x: True)
+        register_kernel("delta_rule", off)
+        rows = gpu_check.fla_rule_errors(torch.device("cpu"), heads=2, d=16)
+        assert [row["check"]["status"] for row in rows] == ["fail"] * len(gpu_check.FLA_CASES)
+    finally:
+        register_kernel("delta_rule", before)
