@@ -9,7 +9,7 @@ from builders import delta_config, open_gates
 from hypothesis import given, settings
 
 import ddl_hf
-from ddl_hf.delta_ops import delta_update
+from ddl_hf.delta_ops import delta_update, fused_delta_update
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 EPS32 = torch.finfo(torch.float32).eps
@@ -236,3 +236,51 @@ def test_autocast_keeps_delta_math_in_float32(token_batch: torch.Tensor) -> None
         reference = model(token_batch).logits
     assert torch.isfinite(out.logits).all()
     assert (out.logits.float() - reference).abs().max().item() < 0.1 * reference.abs().max().item()
+
+
+def sublayer_rounding_bound(state, h, beta, value, dh, eps):
+    """First-order bound on how much the Delta write moves when the sublayer output h is off by dh (its rounding in
+    half precision): X' = X + h 1^T + beta k (v^T - k^T X), k = h / rho, rho = sqrt(|h|^2 + eps^2), so
+    dk = (I - h h^T / rho^2) dh / rho (|dk| <= |dh| / rho), and dX' = dh 1^T + beta (dk (v - X^T k)^T - k dk^T X),
+    two terms orthogonal where dk is orthogonal to k: |dX'| <= |dh| sqrt(d_v) + beta |dh| / rho sqrt(|v - X^T k|^2 +
+    |X|_F^2). Against the additive residual's |dh| sqrt(d_v): amplified about beta |X| / |h| where |h| << |X|."""
+    rho = torch.sqrt(h.square().sum() + eps**2)
+    k = h / rho
+    spread = torch.sqrt((value - state.T @ k).square().sum() + state.square().sum())
+    return dh.norm() * state.shape[1] ** 0.5 + beta * dh.norm() / rho * spread
+
+
+def additive_write(state, h, beta, value, eps):
+    """The model's write (`fused_delta_update`, additive) of one token: state `[D, d_v]`, h `[D]`, value `[d_v]`."""
+    beta = torch.tensor([beta], dtype=state.dtype)
+    return fused_delta_update(state[None], h[None], beta, value[None], eps, True, True)[0]
+
+
+@pytest.mark.parametrize("case", ["random", "worst"])
+@pytest.mark.parametrize("value_channels", [1, 4])
+def test_sublayer_rounding_moves_the_state_within_the_first_order_bound(case, value_channels):
+    """The derivation behind the half-precision figures (docs/performance.md): a relative error r in h moves the
+    Delta write by up to beta r sqrt(|v - X^T k|^2 + |X|^2) (k's direction carries h's relative error whole), which
+    the float64 write respects on random draws, and nearly reaches for the worst direction (dh orthogonal to h, X
+    along dh): the bound is tight, so a mutant that drops a term of it fails."""
+    d, eps, beta = 64, 1e-6, 1.3
+    g = torch.Generator().manual_seed(value_channels)
+    worst = []
+    for trial in range(20):
+        state = torch.randn(d, value_channels, generator=g, dtype=torch.float64) * 3
+        h = torch.randn(d, generator=g, dtype=torch.float64) * 0.1  # a small sublayer output on a large state
+        value = torch.randn(value_channels, generator=g, dtype=torch.float64)
+        dh = torch.randn(d, generator=g, dtype=torch.float64)
+        if case == "worst":  # dh orthogonal to h, the state along it and orthogonal to k
+            dh = dh - (dh @ h) / (h @ h) * h
+            state = torch.outer(dh / dh.norm(), state.norm(dim=0))
+        dh = dh * 1e-7 * h.norm() / dh.norm()
+
+        moved = (additive_write(state, h + dh, beta, value, eps) - additive_write(state, h, beta, value, eps)).norm()
+        bound = sublayer_rounding_bound(state, h, beta, value, dh, eps)
+        assert moved <= bound * (1 + 1e-5), (trial, float(moved), float(bound))
+        worst.append(float(moved / bound))
+        if case == "worst":  # amplified over the additive residual's |dh| by about beta |X| / |h| (here ~40)
+            assert moved > 0.5 * beta * state.norm() / h.norm() * dh.norm()
+    if case == "worst":
+        assert min(worst) > 0.9
