@@ -209,7 +209,15 @@ class DeltaNetAttention(nn.Module):
         # would otherwise round the state every token. It returns v's dtype.
         with autocast_off(hidden_states.device.type):
             o, state = delta_rule(
-                q, k, v, beta, self.chunk_size, initial_state, erase=self.erase, document_starts=document_starts
+                q,
+                k,
+                v,
+                beta,
+                self.chunk_size,
+                initial_state,
+                erase=self.erase,
+                document_starts=document_starts,
+                cu_seqlens=kwargs.get("cu_seq_lens_q") if document_starts is not None else None,
             )
         if cache is not None:
             cache.update_recurrent_state(state.detach(), self.layer_idx, num_new_tokens=seq_len)

@@ -49,8 +49,9 @@ class DeltaKernel(NamedTuple):
     - `"tc_read"`: `forward(x, weight, past, same_document) -> read` and `backward(grad, x, weight, past,
       same_document, need_x, need_weight) -> (d_x, d_weight)`, as `_TemporalConvRead` defines them.
     - `"delta_rule"` (`backward` None: its forward is differentiable): `forward(q, k, v, beta, initial_state, erase,
-      document_starts) -> (o, final_state) or None`, the inputs and outputs of `delta_rule_recurrent`; None where the
-      kernel does not take these inputs (the tensor ops then run).
+      document_starts, cu_seqlens) -> (o, final_state) or None`, the inputs and outputs of `delta_rule_recurrent`
+      (`cu_seqlens`: the packed documents' cumulative lengths over the flattened batch where the caller gave them, the
+      same starts as `document_starts`); None where the kernel does not take these inputs (the tensor ops then run).
     - `"residual_step"` (inference only, `backward` None): `forward(state, x, c, h, weights: ResidualWeights) ->
       (new_state, beta [...]) or None`: a whole Delta residual after its sublayer, gate, value and write, as
       `DeltaResidual.forward`'s tensor ops define it (the reference); None where the kernel does not take these
@@ -773,13 +774,16 @@ def delta_rule(
     *,
     erase: bool = True,
     document_starts: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeltaNet mixer's entry point: a registered "delta_rule" kernel where it takes these inputs (fla's, on
     CUDA: `ddl_hf.fla_kernels`), else the tensor ops: one recurrent step when decoding one token, the chunkwise form
-    otherwise. Same inputs and outputs as `delta_rule_recurrent`. On CUDA without a kernel, one warning."""
+    otherwise. Same inputs and outputs as `delta_rule_recurrent`; `cu_seqlens` (packed rows, where the caller gave
+    them: flash-attention's `cu_seq_lens_q`) say where the documents of `document_starts` start, for a kernel that
+    takes boundaries rather than a mask. On CUDA without a kernel, one warning."""
     kernel = _kernel_for("delta_rule", v)
     if kernel is not None:
-        out = kernel.forward(q, k, v, beta, initial_state, erase, document_starts)
+        out = kernel.forward(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens)
         if out is not None:
             return out
     elif v.is_cuda and not torch.compiler.is_compiling():

@@ -41,18 +41,32 @@ def fla_delta_rule(
     initial_state: torch.Tensor | None,
     erase: bool,
     document_starts: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`delta_rule_recurrent`'s result through fla's kernels, or None where they do not take these inputs."""
-    if not erase or document_starts is not None:
+    """`delta_rule_recurrent`'s result through fla's kernels, or None where they do not take these inputs without a
+    host read: the write-only rule (fla has no kernel for it), packed rows given only as `document_starts` (finding
+    the boundaries would read the mask), and packed rows in half precision (fla's chunked form counts its chunks per
+    document on the host: one sync per layer). Packed rows with their `cu_seqlens` (one row of documents, as
+    `DataCollatorWithFlattening` gives them, no carried state) in float32, or one token, run fla's varlen recurrent
+    form, which reads the boundaries on the device."""
+    if not erase:
         return None
+    chunked = v.dtype in HALF and q.shape[2] > 1
+    varlen = {}
+    if document_starts is not None:
+        if cu_seqlens is None or q.shape[0] != 1 or initial_state is not None or chunked:
+            return None
+        varlen = {"cu_seqlens": cu_seqlens.long()}
     from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
-    rule = chunk_delta_rule if v.dtype in HALF and q.shape[2] > 1 else fused_recurrent_delta_rule
+    rule = chunk_delta_rule if chunked else fused_recurrent_delta_rule
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, T, H, d]
     beta = beta.transpose(1, 2).to(v.dtype).contiguous()  # [B, T, H]
     if initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).float().contiguous()  # [B, H, d_k, d_v]
-    o, state = rule(q, k, v, beta, scale=1.0, initial_state=initial_state, output_final_state=True)
+    o, state = rule(q, k, v, beta, scale=1.0, initial_state=initial_state, output_final_state=True, **varlen)
+    if varlen:  # one final state per document: the row's is its last document's
+        state = state[-1:]
     return o.transpose(1, 2), state.transpose(-1, -2)
 
 

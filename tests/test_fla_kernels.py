@@ -52,6 +52,28 @@ def restore_delta_rule_kernel():
     register_kernel("delta_rule", before)
 
 
+PACKED_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_fla_kernels import inputs
+from ddl_hf.delta_ops import delta_rule_recurrent
+from ddl_hf.fla_kernels import fla_delta_rule
+
+x = {name: value[:1] for name, value in inputs(12).items()}
+x["initial_state"] = None
+starts = torch.zeros(1, 12, dtype=torch.bool)
+starts[0, [0, 5, 9]] = True
+cu_seqlens = torch.tensor([0, 5, 9, 12], dtype=torch.int32)
+o, state = fla_delta_rule(**x, erase=True, document_starts=starts, cu_seqlens=cu_seqlens)
+o32, state32 = delta_rule_recurrent(**x, document_starts=starts)
+o64, state64 = delta_rule_recurrent(**{k: v.double() for k, v in x.items() if v is not None}, document_starts=starts)
+print("RESULT", json.dumps({
+    name: [float((a.double() - ref).abs().max()), float((b.double() - ref).abs().max()), float(ref.abs().max())]
+    for name, a, b, ref in (("o", o, o32, o64), ("state", state, state32, state64))
+}))
+"""
+
+
 SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -99,16 +121,41 @@ def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference
             assert fla_error <= 4 * max(our_error, 4 * eps * scale), (seq_len, name, errors[name])
 
 
+@pytest.mark.skipif(not HAVE_FLA, reason="fla-core and triton are not installed (the dev extra installs them)")
+def test_a_packed_row_through_tritons_interpreter_matches_the_recurrent_reference():
+    """fla's varlen recurrent kernel on one row of three documents (`cu_seqlens`) against our reference with the
+    same `document_starts`, within 4x our own float32 error, output and the last document's final state."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", PACKED_SCRIPT, str(ROOT / "tests")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    eps = torch.finfo(torch.float32).eps
+    for name, (fla_error, our_error, scale) in result.items():
+        assert fla_error <= 4 * max(our_error, 4 * eps * scale), (name, result[name])
+
+
 class StubRule:
     """Records what the kernel is called with; answers with tensors of fla's output layout."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, q, k, v, beta, *, scale, initial_state, output_final_state):
-        self.calls.append(dict(q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state))
+    def __call__(self, q, k, v, beta, *, scale, initial_state, output_final_state, cu_seqlens=None):
+        call = dict(q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        self.calls.append(call)
         b, t, h, d_k = k.shape
-        return torch.zeros(b, t, h, v.shape[-1], dtype=v.dtype), torch.zeros(b, h, d_k, v.shape[-1])
+        states = b if cu_seqlens is None else len(cu_seqlens) - 1  # varlen: one final state per document
+        return torch.zeros(b, t, h, v.shape[-1], dtype=v.dtype), torch.arange(float(states)).view(-1, 1, 1, 1).expand(
+            states, h, d_k, v.shape[-1]
+        )
 
 
 @pytest.fixture
@@ -146,12 +193,36 @@ def test_the_chunked_kernel_takes_half_precision_sequences_with_the_same_argumen
     assert o.shape == x["v"].shape and state.shape == x["initial_state"].shape  # back in our layout
 
 
-def test_the_write_only_rule_and_packed_rows_take_the_torch_forms(stub_fla):
+def test_the_write_only_rule_and_packed_rows_without_boundaries_take_the_torch_forms(stub_fla):
     x = inputs(5)
     starts = torch.zeros(2, 5, dtype=torch.bool)
     assert fla_delta_rule(**x, erase=False, document_starts=None) is None  # fla has no write-only kernel
-    assert fla_delta_rule(**x, erase=True, document_starts=starts) is None  # its varlen path reads on the host
+    assert fla_delta_rule(**x, erase=True, document_starts=starts) is None  # finding boundaries reads the mask
+    one_row = {name: value[:1] for name, value in x.items()}
+    cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    assert fla_delta_rule(**one_row, erase=True, document_starts=starts[:1], cu_seqlens=cu_seqlens) is None  # a state
     assert not stub_fla[0].calls and not stub_fla[1].calls
+
+
+def test_one_packed_row_with_its_boundaries_takes_flas_varlen_recurrent_form(stub_fla):
+    """flash-attention's packed batch (one row, `cu_seq_lens_q`) in float32 goes to fla's recurrent kernel with
+    `cu_seqlens`; the row's final state is its last document's (fla returns one per document), as
+    `delta_rule_recurrent` hands on. In bf16 the chunked form would count chunks on the host: declined."""
+    x = {name: value[:1] for name, value in inputs(5, torch.bfloat16).items()}
+    x["initial_state"] = None
+    starts = torch.tensor([[True, False, True, False, False]])
+    cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    assert fla_delta_rule(**x, erase=True, document_starts=starts, cu_seqlens=cu_seqlens) is None
+    chosen = 1
+    x = {name: value[:1] for name, value in inputs(5).items()}
+    x["initial_state"] = None
+    starts = torch.tensor([[True, False, True, False, False]])
+    cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    o, state = fla_delta_rule(**x, erase=True, document_starts=starts, cu_seqlens=cu_seqlens)
+    assert o.shape == x["v"].shape
+    (call,) = stub_fla[chosen].calls
+    assert torch.equal(call["cu_seqlens"], cu_seqlens.long()) and call["initial_state"] is None
+    assert state.shape == (1, 2, 8, 16) and bool((state == 1).all())  # the second (last) document's state
 
 
 def test_the_entry_point_runs_a_kernel_that_applies_and_falls_back_when_it_declines(restore_delta_rule_kernel):
@@ -211,3 +282,26 @@ def test_import_ddl_hf_registers_fla_where_it_is_installed():
     else:
         assert kernel is None
     # that `import ddl_hf` imports neither fla nor Triton: tests/test_cli_light.py (a fresh interpreter)
+
+
+def test_a_packed_batch_hands_its_boundaries_to_the_kernel(restore_delta_rule_kernel):
+    """`DataCollatorWithFlattening`'s row: position_ids restarting per document and `cu_seq_lens_q`; the mixer passes
+    the boundaries on with the starts (a kernel that declines leaves the logits as they were)."""
+    seen = []
+
+    def spy(*args):
+        seen.append((args[6], args[7]))  # document_starts, cu_seqlens
+        return None
+
+    model = delta_model(token_mixer="delta_net", delta_net_chunk_size=4).eval()
+    ids = torch.randint(1, model.config.vocab_size, (1, 9))
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    cu_seqlens = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    packed = dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, use_cache=False)
+    with torch.no_grad():
+        expected = model(ids, **packed).logits
+        register_kernel("delta_rule", DeltaKernel(spy, None, lambda t: True))
+        logits = model(ids, **packed).logits
+    assert torch.equal(logits, expected) and len(seen) == model.config.n_layer
+    for starts, boundaries in seen:
+        assert starts[0].nonzero().flatten().tolist() == [0, 4, 6] and boundaries is cu_seqlens
