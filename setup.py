@@ -44,7 +44,7 @@ setup(
         # torch brings Triton)
         "fla": ["fla-core>=0.6"],
         "dev": [
-            "ninja>=1.11",  # tests/test_native_kernels.py builds the native kernels
+            "ninja>=1.11",  # tests/ops/test_native_kernels.py builds the native kernels
             "pytest>=8",
             "hypothesis>=6.100",
             "ruff>=0.6",
@@ -53,12 +53,12 @@ setup(
             "onnx>=1.17",
             "onnxscript>=0.3",
             "onnxruntime>=1.20",
-            # tests/test_trl.py (SFTTrainer packed / unpacked, DPOTrainer); needs no torch of its own
+            # tests/integrations/test_trl.py (SFTTrainer packed / unpacked, DPOTrainer); needs no torch of its own
             "trl>=1.16",
-            # tests/test_qlora.py, examples/qlora_finetune.py: 4- and 8-bit loading, on the CPU too (0.50.2 tested);
-            # needs torch>=2.4 and no torch of its own
+            # tests/integrations/test_qlora.py, examples/qlora_finetune.py: 4- and 8-bit loading, on the CPU too
+            # (0.50.2 tested); needs torch>=2.4 and no torch of its own
             "bitsandbytes>=0.50.2",
-            # tests/test_fla_kernels.py: fla's kernels run on the CPU through Triton's interpreter
+            # tests/ops/test_fla_kernels.py: fla's kernels run on the CPU through Triton's interpreter
             "fla-core>=0.6",
             "triton>=3.3",
         ],

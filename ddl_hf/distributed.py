@@ -1,7 +1,7 @@
 """Sharded training with torch's FSDP2 (`torch.distributed.fsdp.fully_shard`), the engine that accelerate and
 `Trainer` use for FSDP version 2: every decoder block (the model's `_no_split_modules`: `DeltaGPTBlock`,
 `DeltaLlamaDecoderLayer`) is one shard group, the rest of the model (embeddings, read-out, final norm, head) the root
-group. docs/workflows.md, "Scaling out", has the commands; tests/test_fsdp.py runs them on 2 CPU processes.
+group. docs/workflows.md, "Scaling out", has the commands; tests/integrations/test_fsdp.py runs them on 2 CPU processes.
 """
 
 from __future__ import annotations

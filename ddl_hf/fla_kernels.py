@@ -13,7 +13,7 @@ read is S q, unscaled; fla defaults to 1/sqrt(K)); q and k arrive unit-norm, so 
 The chunked kernel takes bf16 / fp16 inputs; float32 models take the recurrent kernel. Declined (the torch forms
 run): the write-only rule (`erase=False`, which fla has no kernel for) and packed rows (`document_starts`): fla
 takes them as `cu_seqlens`, whose lengths its kernels read on the host, and the models keep every forward free of
-host reads. tests/test_fla_kernels.py checks the mapping on the CPU through Triton's interpreter against
+host reads. tests/ops/test_fla_kernels.py checks the mapping on the CPU through Triton's interpreter against
 `delta_rule_recurrent`; on a GPU, `checks/gpu_check.py` runs it.
 """
 

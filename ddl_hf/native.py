@@ -4,7 +4,7 @@ state, forward and backward, and a residual's whole inference step (gate, value,
 
 They register with the ops' entry points in `delta_ops` (`register_kernel`), process-wide, and run where they apply:
 CPU float32 / float64 tensors outside compile, export and jit tracing; everywhere else the tensor ops run. The model
-code never sees them, and a model gives the same values with or without them (tests/test_native_kernels.py):
+code never sees them, and a model gives the same values with or without them (tests/ops/test_native_kernels.py):
 
     from ddl_hf.native import enable_native_kernels
     enable_native_kernels()   # every Delta update and TC read in this process, training and generation

@@ -1,4 +1,4 @@
-"""One process of the FSDP2 tests (tests/test_fsdp.py), started by torchrun: tiny Delta models sharded with
+"""One process of the FSDP2 tests (tests/integrations/test_fsdp.py), started by torchrun: tiny Delta models sharded with
 `ddl_hf.distributed.fully_shard_model` (every block, then the model) over gloo, trained on a fixed global batch split
 across the ranks. Rank 0 writes what the test compares with an unsharded run: the loss of every step (the mean over
 the global batch), and, on request, the gathered full model (`--save-full`) or a `torch.distributed.checkpoint`
@@ -50,6 +50,7 @@ def build(variant: str) -> torch.nn.Module:
     from the unsharded one by the float rounding of its sums, and a run from weights 1e-7 apart stays within 1e-5
     of it over the 10 steps (measured), so the comparison is of that rounding, not of chaos."""
     if variant.startswith("llama"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))  # test_delta_llama's Llama builders
         from test_delta_llama import build_source
 
         source = build_source("qwen3", vocab_size=VOCAB)

@@ -1,4 +1,5 @@
-"""Runs vLLM for `tests/test_vllm.py`, in a process of its own: `python tests/vllm_worker.py JOBS.json RESULTS.json`.
+"""Runs vLLM for `tests/integrations/test_vllm.py`, in a process of its own:
+`python tests/vllm_worker.py JOBS.json RESULTS.json`.
 
 Each job is `{"model": directory, "prompts": [[token ids], ...], "max_tokens": N}`; for each, in order, an offline
 engine `LLM(model=directory, model_impl="transformers", trust_remote_code=True)` is built and greedily decodes every

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "studies"))
 import bench_pretrain  # noqa: E402

@@ -49,7 +49,7 @@ import ddl_hf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the tests folder: vllm_worker.py
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 VLLM_REQUIRED = os.environ.get("DDL_HF_REQUIRE_VLLM") == "1"
 needs_vllm = pytest.mark.skipif(

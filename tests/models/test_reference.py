@@ -23,7 +23,7 @@ from ddl_hf.delta_layers import REFERENCE_COMMIT, DeltaResidual, spectral_std
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LEGACY = Path(__file__).parent / "data" / "ddl_hf_0_1"
+LEGACY = Path(__file__).parents[1] / "data" / "ddl_hf_0_1"
 REFERENCE_FILES = ("dv1", "tc", "tc_ec", "cc", "cc_ec")
 
 
@@ -267,7 +267,7 @@ def test_the_reference_backbone_init_follows_the_formulas_and_leaves_the_delta_p
 
 
 def test_bench_pretrain_init_reference_gives_baseline_and_delta_models_the_authors_backbone():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "studies"))
     import bench_pretrain
 
     preset = bench_pretrain.Preset(

@@ -35,7 +35,7 @@ from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 CUSTOM_CODE = (
     "configuration_delta_gpt.py",

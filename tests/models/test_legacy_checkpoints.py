@@ -23,7 +23,7 @@ import ddl_hf
 import ddl_hf_cli
 from ddl_hf.conversion import upgrade
 
-FIXTURES = Path(__file__).parent / "data" / "ddl_hf_0_1"
+FIXTURES = Path(__file__).parents[1] / "data" / "ddl_hf_0_1"
 sys.path.insert(0, str(FIXTURES))
 from legacy_run import TINY, restore_pickles, training_arguments, training_data  # noqa: E402
 

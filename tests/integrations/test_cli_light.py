@@ -12,7 +12,7 @@ import pytest
 
 import ddl_hf_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 HELP_BOUND_S = 3.0  # the goal is 1.5 s on 2 cores; generous for a loaded CI machine
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_decode_step as bench  # noqa: E402
 from bench_overhead import SHAPES, build_pair  # noqa: E402

@@ -408,6 +408,6 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
 def test_the_package_modules_are_the_root_hub_files(name: str) -> None:
     """`ddl_hf/` links to the self-contained Hub files at the repository root, so that what the package runs is what
     `save_pretrained` ships; an editor that replaces a link by a copy would let the two drift apart."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert (root / "ddl_hf" / name).is_symlink()
     assert (root / "ddl_hf" / name).resolve() == (root / name).resolve()

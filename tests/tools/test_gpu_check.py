@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "checks"))
 import gpu_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "checks" / "gpu_check.py"
 
 VARIANTS = ("paper-dv4-tc", "llama-paper-dv4")
@@ -139,7 +139,7 @@ def test_the_fla_rows_compare_the_registered_kernel_with_the_float64_reference()
 
     calls = []
 
-    def chunkwise(q, k, v, beta, initial_state, erase, document_starts, scale=1.0):
+    def chunkwise(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens, scale=1.0):
         calls.append(q.shape[2])
         o, state = delta_rule_chunkwise(q, k, v, beta, initial_state=initial_state, erase=erase)
         return o * scale, state

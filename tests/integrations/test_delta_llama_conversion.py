@@ -33,7 +33,7 @@ from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EOS = 256  # the byte tokenizer's <|endoftext|>
 #: test_delta_llama's TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
 SIZE = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)

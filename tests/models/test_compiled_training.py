@@ -7,7 +7,7 @@ The backend is `aot_eager`: dynamo's capture and AOT autograd's joint forward-ba
 graph breaks, without inductor's code generation (minutes per variant on 2 CPU cores; `checks/gpu_check.py`
 compiles with inductor on a device). GPT-2 and Llama are the controls. A host read that steers the computation
 (`if float(h.abs().max()) > ...` in the Delta residual) fails here; one whose value is unused is captured by dynamo
-as a scalar output and does not: tests/test_no_host_sync.py checks eager forward and backward for any host read.
+as a scalar output and does not: tests/models/test_no_host_sync.py checks eager forward and backward for any host read.
 """
 
 from __future__ import annotations

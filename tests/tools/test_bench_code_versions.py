@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_code_versions as bench  # noqa: E402
 from bench_overhead import SHAPES, build_pair  # noqa: E402

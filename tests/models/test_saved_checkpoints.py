@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 FOLDERS = ("ddl_hf_0_2", "main_e568c07")
 FIXTURES = [path for folder in FOLDERS for path in sorted((DATA / folder).iterdir()) if path.is_dir()]
 NEW_TOKENS = 4

@@ -24,8 +24,8 @@ import ddl_hf
 from ddl_hf.distributed import block_classes, check_launch, fully_shard_model
 
 STEPS = 10
-WORKER = Path(__file__).parent / "fsdp_worker.py"
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parents[1] / "fsdp_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(out: Path, *worker_args: str, nodes: int = 1, accelerate_config: str | None = None) -> dict:

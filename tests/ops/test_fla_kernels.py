@@ -26,7 +26,7 @@ from ddl_hf import delta_ops
 from ddl_hf.delta_ops import DeltaKernel, delta_rule, delta_rule_chunkwise, register_kernel, registered_kernel
 from ddl_hf.fla_kernels import fla_available, fla_delta_rule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAVE_FLA = fla_available() and importlib.util.find_spec("triton") is not None
 
 
@@ -101,9 +101,9 @@ def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference
     """fla's recurrent kernel, our layout mapped to its own, against our reference in float64: within 4x the float32
     error of our own reference (the same rounding argument as tests/rounding.py), for T = 1 (a decoding step) and
     12, with an initial state and d_v != d_k."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(ROOT / "tests")],
+        [sys.executable, "-c", SCRIPT, str(Path(__file__).resolve().parent)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -125,9 +125,9 @@ def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference
 def test_a_packed_row_through_tritons_interpreter_matches_the_recurrent_reference():
     """fla's varlen recurrent kernel on one row of three documents (`cu_seqlens`) against our reference with the
     same `document_starts`, within 4x our own float32 error, output and the last document's final state."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     done = subprocess.run(
-        [sys.executable, "-c", PACKED_SCRIPT, str(ROOT / "tests")],
+        [sys.executable, "-c", PACKED_SCRIPT, str(Path(__file__).resolve().parent)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -281,7 +281,7 @@ def test_import_ddl_hf_registers_fla_where_it_is_installed():
         assert not kernel.applies(torch.zeros(1))  # never on the CPU
     else:
         assert kernel is None
-    # that `import ddl_hf` imports neither fla nor Triton: tests/test_cli_light.py (a fresh interpreter)
+    # that `import ddl_hf` imports neither fla nor Triton: tests/integrations/test_cli_light.py (a fresh interpreter)
 
 
 def test_a_packed_batch_hands_its_boundaries_to_the_kernel(restore_delta_rule_kernel):
