@@ -416,8 +416,9 @@ def _taps(x: torch.Tensor, past: torch.Tensor | None, size: int):
 
 def _tc_read_forward(x, w, past, same_document) -> torch.Tensor:
     """The TC read's forward with tensor ops: the taps accumulate in place into one `[B, T, D, d_v]` buffer, summed
-    over the value channels once."""
-    taps = torch.zeros_like(x)
+    over the value channels once. The buffer is `new_zeros`, not `zeros_like(x)`: under torch.compile the joint graph
+    would merge it with the backward's `zeros_like(x)` and keep a state-sized buffer of zeros for the backward."""
+    taps = x.new_zeros(x.shape)
     for j, rows, source, _ in _taps(x, past, w.shape[-1]):
         if same_document is not None:
             source = source * same_document[:, rows, j, None, None].to(x.dtype)
