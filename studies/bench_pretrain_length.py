@@ -505,6 +505,13 @@ def slope_verdict(d: dict) -> str:
     )
 
 
+def mean_and_spread(stats: dict[str, float]) -> str:
+    """`mean ± std` over the seeds, or the one seed's value and "(1 seed)" while a cell has one (no spread yet)."""
+    if math.isnan(stats["std"]):
+        return f"{stats['mean']:.4f} (1 seed)"
+    return f"{stats['mean']:.4f} ± {stats['std']:.4f}"
+
+
 def markdown(results: dict) -> str:
     plan, a = results["plan"], results["analysis"]
     sizes = [s for s in a["lengths"] if s]
@@ -540,7 +547,7 @@ def markdown(results: dict) -> str:
         b = s["rows"][bp.BASELINE]
         shape = b.get("curve_shape")
         tail = (
-            f"{b['final']['mean']:.4f} ± {b['final']['std']:.4f} | {shape['min_step']:.0f} of {shape['steps']} | "
+            f"{mean_and_spread(b['final'])} | {shape['min_step']:.0f} of {shape['steps']} | "
             f"{shape['late_drop']:+.4f} | {shape['gap']:+.4f}"
             if shape
             else "| | |"
@@ -634,7 +641,7 @@ def markdown(results: dict) -> str:
                 shape = e["curve_shape"]
                 lines.append(
                     f"| {s['tokens_per_param']:g} | {e['label']} | {e['lr']:g} | {e['seeds']} | "
-                    f"{e['final']['mean']:.4f} ± {e['final']['std']:.4f} | {e['step_cpu_seconds']:.4f} | "
+                    f"{mean_and_spread(e['final'])} | {e['step_cpu_seconds']:.4f} | "
                     f"{shape['min_step']:.0f} of {shape['steps']} | {shape['late_drop']:+.4f} |"
                 )
     lines += ["", "Code that trained these runs (commit: runs), per length:"]
