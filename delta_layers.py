@@ -89,9 +89,10 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2.5 after the sublayer: the state X, its read x, the sublayer's input c = norm(x) and output h = F(c).
         Returns the new state and beta `[...]`."""
-        step = residual_step(state, x, c, h, self.step_weights())  # an inference kernel registered from outside
-        if step is not None:
-            return step
+        if not torch.is_grad_enabled():  # inference: a kernel registered from outside may take the whole step
+            step = residual_step(state, x, c, h, self.step_weights())
+            if step is not None:
+                return step
         with autocast_off(state.device.type):  # beta, k, v and the update in float32 under fp16 / bf16 autocast
             dtype = self.beta_open.dtype  # the model's float dtype, also when a quantizer replaced the Linears
             opening = at_least_float32(self.beta_open)
