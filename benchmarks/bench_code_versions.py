@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,36 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_state, provenance, write_results
 from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_step_fn
 
-from ddl_hf.delta_model import RENAMED_WEIGHTS
-
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def other_version(code: Path, model: torch.nn.Module) -> torch.nn.Module:
-    """`model` rebuilt with the classes of the Hub files in `code`, with the same config and weights."""
+    """`model` rebuilt with the classes of the Hub files in `code`, with the same config and weights. The weights go
+    through a saved directory: transformers writes them under the names every version of the code loads (renamed
+    parameters are saved under their old names, `delta_model.RENAMED_WEIGHTS`)."""
     config_class = get_class_from_dynamic_module("configuration_delta_gpt.DeltaGPTConfig", str(code))
     model_class = get_class_from_dynamic_module("modeling_delta_gpt.DeltaGPTForCausalLM", str(code))
     fields = {k: v for k, v in model.config.to_dict().items() if k not in ("auto_map", "architectures")}
     config = config_class(**fields)
     config._attn_implementation = model.config._attn_implementation
-    other = model_class(config)
-    other.load_state_dict(under_names_of(other, model.state_dict()), strict=True)
-    return other
-
-
-def under_names_of(other: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` under `other`'s parameter names: code from before the reads became modules of the block names them
-    after the residual (`delta_model.RENAMED_WEIGHTS`, old -> new; a pattern's lookahead is not part of a name)."""
-    if set(state) == set(other.state_dict()):
-        return state
-    renamed = {}
-    for key, value in state.items():
-        for old, new in RENAMED_WEIGHTS:
-            if key.endswith(new):
-                key = key[: -len(new)] + old.split("(")[0]
-                break
-        renamed[key] = value
-    return renamed
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return model_class.from_pretrained(directory, config=config)
 
 
 def main(argv: list[str] | None = None) -> dict:
