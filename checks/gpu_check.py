@@ -839,6 +839,11 @@ def _ratio_cell(record: dict | None) -> str:
     return f"{record['ratio']:.3f} (A/A {floor.get('ratio', float('nan')):.3f} {spread})".replace(" )", ")")
 
 
+def _not_run(section: dict) -> list[str]:
+    """The line that says why a section did not run (skipped, or the error that stopped it)."""
+    return [f"{section['status'].capitalize()}: {section.get('reason') or section.get('error')}.", ""]
+
+
 def markdown(results: dict) -> str:
     info, totals = results["device"], results["summary"]["counts"]
     lines = [
@@ -892,7 +897,7 @@ def markdown(results: dict) -> str:
             "",
         ]
         if sync.get("status") in ("skipped", "error"):
-            lines += [f"{sync['status'].capitalize()}: {sync.get('reason') or sync.get('error')}.", ""]
+            lines += _not_run(sync)
         else:
             lines += ["| model | train step | decode step |", "|---|---|---|"]
             for row in sync["rows"]:
@@ -972,7 +977,7 @@ def markdown(results: dict) -> str:
             "",
         ]
         if fla.get("status") in ("skipped", "error"):
-            lines += [f"{fla['status'].capitalize()}: {fla.get('reason') or fla.get('error')}.", ""]
+            lines += _not_run(fla)
         else:
             lines += ["| case | rule vs float64 recurrent |", "|---|---|"]
             lines += [f"| {row['case']} | {_cell(row['check'])} |" for row in fla["rows"]]

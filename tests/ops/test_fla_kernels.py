@@ -96,14 +96,12 @@ print("RESULT", json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not HAVE_FLA, reason="fla-core and triton are not installed (the dev extra installs them)")
-def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference():
-    """fla's recurrent kernel, our layout mapped to its own, against our reference in float64: within 4x the float32
-    error of our own reference (the same rounding argument as tests/rounding.py), for T = 1 (a decoding step) and
-    12, with an initial state and d_v != d_k."""
+def in_tritons_interpreter(script: str) -> dict:
+    """Run `script` in a fresh interpreter with `TRITON_INTERPRET=1` (it must be set before Triton is imported), able
+    to import this file and the helpers in tests/; returns what it printed after "RESULT "."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(Path(__file__).resolve().parent)],
+        [sys.executable, "-c", script, str(Path(__file__).resolve().parent)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -112,7 +110,15 @@ def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    return json.loads(done.stdout.split("RESULT ", 1)[1])
+
+
+@pytest.mark.skipif(not HAVE_FLA, reason="fla-core and triton are not installed (the dev extra installs them)")
+def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference():
+    """fla's recurrent kernel, our layout mapped to its own, against our reference in float64: within 4x the float32
+    error of our own reference (the same rounding argument as tests/rounding.py), for T = 1 (a decoding step) and
+    12, with an initial state and d_v != d_k."""
+    result = in_tritons_interpreter(SCRIPT)
     eps = torch.finfo(torch.float32).eps
     for seq_len, errors in result.items():
         assert errors["shapes"] == [[2, 2, int(seq_len), 8], [2, 2, 8, 16], "torch.float32", "torch.float32"]
@@ -125,18 +131,7 @@ def test_the_mapping_through_tritons_interpreter_matches_the_recurrent_reference
 def test_a_packed_row_through_tritons_interpreter_matches_the_recurrent_reference():
     """fla's varlen recurrent kernel on one row of three documents (`cu_seqlens`) against our reference with the
     same `document_starts`, within 4x our own float32 error, output and the last document's final state."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    done = subprocess.run(
-        [sys.executable, "-c", PACKED_SCRIPT, str(Path(__file__).resolve().parent)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    result = in_tritons_interpreter(PACKED_SCRIPT)
     eps = torch.finfo(torch.float32).eps
     for name, (fla_error, our_error, scale) in result.items():
         assert fla_error <= 4 * max(our_error, 4 * eps * scale), (name, result[name])
