@@ -327,12 +327,20 @@ def refuse_state_across_tokens_in_serving_engines(config: PreTrainedConfig) -> N
     if engine is None or not settings:
         return
     name = type(config).__name__.removesuffix("Config")
+    # TC and EC windows are served by ddl-hf's native vLLM models; the DeltaNet mixer by transformers only.
+    native = engine == "vLLM" and getattr(config, "token_mixer", "attention") == "attention"
+    route = (
+        "Install ddl-hf where vLLM runs (pip install 'ddl-hf[vllm]'): its plugin serves this model natively, with "
+        "these states kept per sequence (leave model_impl at its default, not 'transformers'). Or serve it with "
+        if native
+        else "Serve this model with "
+    )
     raise ValueError(
         f"{name} with {' and '.join(settings)} carries state across tokens, which {engine}'s Transformers backend "
         "does not keep between decoding steps (it runs the model without a cache), so its tokens would differ from "
-        "generate's: refused. Serve this model with transformers (generate, pipeline), or serve a variant without "
-        "state across tokens (delta_state_read='linear' or 'channel_conv', delta_embed_expand='repeat', "
-        "token_mixer='attention'); see ddl-hf's docs/serving.md."
+        f"generate's: refused. {route}transformers (generate, pipeline), or serve a variant without state across "
+        "tokens (delta_state_read='linear' or 'channel_conv', delta_embed_expand='repeat', token_mixer='attention'); "
+        "see ddl-hf's docs/serving.md."
     )
 
 

