@@ -187,9 +187,15 @@ def save(model: PreTrainedModel, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, dict]:
     """Every model saved with its tokenizer, with generate's tokens for each prompt (and with its gates shut)."""
-    result = {}
     specs = [(case, *spec, False) for case, spec in EXACT.items()]
     specs += [(case, *spec, True) for case, spec in STATEFUL.items()]
+    return saved_cases(specs, tmp_path_factory)
+
+
+def saved_cases(specs: list[tuple[str, str, dict, bool]], tmp_path_factory) -> dict[str, dict]:
+    """(case, family, overrides, stateful) -> the model saved with its tokenizer, generate's tokens for each prompt
+    and with its gates shut (the seed is the case's place in `specs`)."""
+    result = {}
     for seed, (case, family, overrides, stateful) in enumerate(specs):
         model = build(family, overrides, seed, stateful)
         directory = save(model, tmp_path_factory.mktemp(case))

@@ -21,6 +21,7 @@ import pytest
 import torch
 from gpt2_fixtures import EOS, byte_tokenizer
 from test_vllm import (
+    EXACT,
     PROMPTS,
     TEXTS,
     build,
@@ -29,6 +30,7 @@ from test_vllm import (
     needs_vllm,
     run_worker,
     save,
+    saved_cases,
     start_server,
     stop,
     wait_until_ready,
@@ -125,6 +127,31 @@ def test_native_vllm_greedy_tokens_equal_generate(case, mode, native_cases, nati
     if mode == "chunked+cached":
         # The second long prompt, alone after the first, starts from the cached state of their shared blocks.
         assert result["cached_tokens"] >= 32, f"prefix caching served {result['cached_tokens']} prompt tokens"
+
+
+@pytest.fixture(scope="module")
+def stateless_cases(tmp_path_factory) -> dict[str, dict]:
+    """test_vllm.py's variants without state across tokens (which the Transformers backend serves), as it saves them."""
+    return saved_cases([(case, *spec, False) for case, spec in EXACT.items()], tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def stateless_served(stateless_cases, tmp_path_factory) -> dict[str, dict]:
+    """vLLM's tokens on the native route for each of them."""
+    directories = [str(stateless_cases[name]["directory"]) for name in EXACT]
+    jobs = [dict(model=d, prompts=PROMPTS, max_tokens=NEW_TOKENS, engine=NATIVE_ENGINE) for d in directories]
+    results = run_worker(jobs, tmp_path_factory.mktemp("vllm-native-stateless"), native=True)
+    return dict(zip(EXACT, results["results"]))
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", list(EXACT))
+def test_native_route_serves_the_stateless_variants_exactly(case, stateless_cases, stateless_served):
+    """With ddl-hf installed, the variants the Transformers backend serves take the native route, exactly as well."""
+    result, reference = stateless_served[case], stateless_cases[case]["reference"]
+    assert "error" not in result, f"vLLM could not serve {case}: {result['error']}"
+    assert result["model_class"].startswith("ddl_hf.vllm_models."), result["model_class"]
+    assert result["tokens"] == reference, agreement(result["tokens"], reference)
 
 
 @needs_vllm
