@@ -38,14 +38,24 @@ class DeltaServingConfig(VerifyAndUpdateConfig):
             MambaModelConfig.verify_and_update_config(vllm_config)
 
 
+#: The custom op through which a window runs (`ddl_hf.vllm_models.DeltaWindow`).
+WINDOW_OP = "vllm::ddl_delta_window"
+
+
 def register() -> None:
-    """Register DeltaLlama and DeltaGPT with vLLM (imported lazily by vLLM) and their config hook."""
+    """Register DeltaLlama and DeltaGPT with vLLM (imported lazily by vLLM) and their config hook, and make the window
+    op one where vLLM splits its compiled graphs, as its own short convolution is: a piecewise CUDA graph must not
+    capture a window, whose metadata changes every step."""
     from vllm import ModelRegistry
+    from vllm.config import CompilationConfig
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"ddl_hf.vllm_models:{architecture}")
         MODELS_CONFIG_MAP[architecture] = DeltaServingConfig
+    splitting = getattr(CompilationConfig, "_attention_ops", None)  # vLLM's default splitting ops (0.32)
+    if isinstance(splitting, list) and WINDOW_OP not in splitting:
+        splitting.append(WINDOW_OP)
 
 
-__all__ = ["ARCHITECTURES", "DeltaServingConfig", "register", "window_names"]
+__all__ = ["ARCHITECTURES", "WINDOW_OP", "DeltaServingConfig", "register", "window_names"]
