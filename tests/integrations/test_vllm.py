@@ -386,20 +386,25 @@ def server(cases, tmp_path_factory):
         stop(process)
 
 
-@needs_vllm
-def test_vllm_serve_answers_a_completion_request_with_generates_tokens(server, cases):
-    model, tokenizer = cases[SERVED]["model"], byte_tokenizer()
+def complete_texts(url: str, directory: Path) -> dict:
+    """The server's answer to one `/v1/completions` request for TEXTS: greedy, NEW_TOKENS each, with token ids."""
     payload = dict(
-        model=str(cases[SERVED]["directory"]),  # the served model's name: its path
+        model=str(directory),  # the served model's name: its path
         prompt=TEXTS,
         max_tokens=NEW_TOKENS,
         min_tokens=NEW_TOKENS,
         temperature=0.0,
         return_token_ids=True,
     )
-    status, answer = http(f"{server.url}/v1/completions", payload, timeout=300)
+    status, answer = http(f"{url}/v1/completions", payload, timeout=300)
     assert status == 200, answer
     assert answer["object"] == "text_completion"
+    return answer
+
+
+def check_completions(answer: dict, model: PreTrainedModel) -> None:
+    """Each of TEXTS answered with generate's greedy tokens for its prompt."""
+    tokenizer = byte_tokenizer()
     choices = sorted(answer["choices"], key=lambda choice: choice["index"])
     assert len(choices) == len(TEXTS)
     for text, choice in zip(TEXTS, choices):
@@ -408,6 +413,11 @@ def test_vllm_serve_answers_a_completion_request_with_generates_tokens(server, c
         expected = greedy(model, prompt)
         assert choice["token_ids"] == expected, f"{text!r}: vllm serve {choice['token_ids']} != generate {expected}"
         assert choice["finish_reason"] == "length"
+
+
+@needs_vllm
+def test_vllm_serve_answers_a_completion_request_with_generates_tokens(server, cases):
+    check_completions(complete_texts(server.url, cases[SERVED]["directory"]), cases[SERVED]["model"])
 
 
 @needs_vllm

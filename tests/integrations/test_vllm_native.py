@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt2_fixtures import EOS, byte_tokenizer
+from gpt2_fixtures import EOS
 from test_vllm import (
     EXACT,
     PROMPTS,
-    TEXTS,
     build,
+    check_completions,
+    complete_texts,
     greedy,
-    http,
     needs_vllm,
     run_worker,
     save,
@@ -186,21 +186,8 @@ def test_vllm_serve_answers_with_generates_tokens_for_a_tc_model(native_cases, t
     process = start_server(case["directory"], log, native=True)
     try:
         wait_until_ready(process, log)
-        payload = dict(
-            model=str(case["directory"]),
-            prompt=TEXTS,
-            max_tokens=NEW_TOKENS,
-            min_tokens=NEW_TOKENS,
-            temperature=0.0,
-            return_token_ids=True,
-        )
-        status, answer = http(f"{process.url}/v1/completions", payload, timeout=300)
+        answer = complete_texts(process.url, case["directory"])
     finally:
         stop(process)
-    assert status == 200, answer
     assert "ddl-hf: serving DeltaLlamaForCausalLM natively" in log.read_text()
-    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
-    for text, choice in zip(TEXTS, choices, strict=True):
-        prompt = byte_tokenizer()(text).input_ids
-        expected = greedy(case["model"], prompt, NEW_TOKENS)
-        assert choice["token_ids"] == expected, f"{text!r}: vllm serve {choice['token_ids']} != generate {expected}"
+    check_completions(answer, case["model"])
