@@ -41,12 +41,13 @@ from vllm.model_executor.models.gpt2 import GPT2Block
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, make_layers, maybe_prefix
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .delta_layers import DeltaResidual
-from .delta_model import RENAMED_WEIGHTS
+from .delta_model import RENAMED_WEIGHTS, DeltaPreTrainedMixin
 from .delta_ops import temporal_conv, temporal_conv_read
 from .delta_reads import DeltaEmbedExpand, DeltaRead
 from .modeling_delta_llama import attention_layer_types
@@ -112,7 +113,10 @@ class DeltaWindow(MambaBase, nn.Module):
     def convolve(self, x: torch.Tensor, weight: torch.Tensor, output: torch.Tensor) -> None:
         """The op's body: the K - 1 inputs before each token (`exchange`), then `delta_ops`' convolution."""
         metadata = get_forward_context().attn_metadata
-        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if metadata is not None:
+            if not isinstance(metadata, dict) or self.prefix not in metadata:
+                raise RuntimeError(f"vLLM gave no state metadata for the Delta window {self.prefix!r} in this step")
+            metadata = metadata[self.prefix]
         if metadata is None:  # vLLM's profiling run: no state yet, zeros before every token
             tokens, past = x.shape[0], None
         else:
@@ -145,8 +149,9 @@ class DeltaWindow(MambaBase, nn.Module):
             starts = metadata.query_start_loc_p.to(torch.long)  # [P + 1], from the first prefill token
             slots = _slots(metadata.state_indices_tensor_p, starts.shape[0] - 1)
             x_p = x[decodes:]
-            # A continued chunk or a prefix-cache hit starts from its window; a new sequence from zeros.
-            first = states[slots] * metadata.has_initial_states_p.view(-1, 1, 1).to(states.dtype)
+            # A continued chunk or a prefix-cache hit starts from its window; a new sequence from zeros (selected, not
+            # multiplied: a reused block may hold any bytes, NaN included).
+            first = torch.where(metadata.has_initial_states_p.view(-1, 1, 1), states[slots], 0)
             token = torch.arange(x_p.shape[0], device=x.device)
             sequence = torch.searchsorted(starts[1:], token, right=True)
             back = (token - starts[sequence])[:, None] - lags  # position of each tap in its chunk; < 0: the window
@@ -160,8 +165,8 @@ class DeltaWindow(MambaBase, nn.Module):
 
 
 def _slots(indices: torch.Tensor, count: int) -> torch.Tensor:
-    """The state block of each of `count` sequences; vLLM's padding slots (-1) go to the null block 0, which holds no
-    sequence."""
+    """The state block of each of `count` sequences (the first column where vLLM gives one per speculative token).
+    Padding rows name the null block 0, which holds no sequence (a -1 is sent there too)."""
     if indices.dim() == 2:
         indices = indices[:, 0]
     return indices[:count].to(torch.long).clamp(min=0)
@@ -494,7 +499,11 @@ class DeltaCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(getattr(backbone, self.embedding_name))
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        if vllm_config.model_config.dtype == torch.float16:
+            keep_delta_parameters_in_float32(self)
         windows = window_names(config)
+        if windows:
+            align_state_blocks(vllm_config)
         logger.info(
             "ddl-hf: serving %s natively (ddl-hf's vLLM plugin): vLLM's %s layers with Delta residuals%s. "
             "model_impl='transformers' takes vLLM's Transformers backend instead (variants without state across "
@@ -532,6 +541,30 @@ class DeltaCausalLM(nn.Module):
         return loader.load_weights(self.prepare_weights(weights), mapper=self.weights_mapper())
 
 
+def keep_delta_parameters_in_float32(model: nn.Module) -> None:
+    """As transformers keeps them on a float16 load (`_keep_in_fp32_modules`): the gates, values, reads and
+    convolutions in float32, the rest in float16. The Delta modules cast at their inputs, as in transformers."""
+    keep = [re.compile(pattern) for pattern in DeltaPreTrainedMixin._keep_in_fp32_modules]
+    for name, parameter in model.named_parameters():
+        if any(pattern.search(name) for pattern in keep):
+            parameter.data = parameter.data.float()
+
+
+def align_state_blocks(vllm_config: VllmConfig) -> None:
+    """What vLLM does for its hybrid models once their layers exist (`Platform.update_block_size_for_backend`, which
+    passes over a model that its `layer_types` do not mark hybrid, as a Delta model's are not): an attention block at
+    least as large as a window's page, the windows' pages padded to it, and in the "align" prefix-cache mode a state
+    block per attention block (else prefix-cache states would be kept at other boundaries than the KV blocks')."""
+    align = getattr(current_platform, "_align_hybrid_block_size", None)
+    find_backends = getattr(current_platform, "_find_non_ssm_backends", None)
+    backends = find_backends(vllm_config) if find_backends is not None else []
+    if align is not None and backends:
+        align(vllm_config, backends[0])
+    cache_config = vllm_config.cache_config
+    if cache_config.mamba_cache_mode == "align":
+        cache_config.mamba_block_size = cache_config.block_size
+
+
 class DeltaLlamaForCausalLM(DeltaCausalLM):
     backbone, backbone_name, embedding_name = DeltaLlamaModel, "model", "embed_tokens"
 
@@ -564,6 +597,8 @@ def check_servable(vllm_config: VllmConfig) -> None:
     for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if getattr(config, field, False):
             problems.append(f"{field}=True is not in vLLM's GPT-2 attention")
+    if getattr(config, "scale_attn_weights", True) is False:
+        problems.append("scale_attn_weights=False is not in vLLM's GPT-2 attention (it always scales)")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         problems.append("tensor and pipeline parallelism are not tested on this route: serve on one device")

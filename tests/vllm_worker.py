@@ -13,7 +13,9 @@ Optional keys, for ddl-hf's native route (tests/integrations/test_vllm_native.py
 replace the defaults below (`{"model_impl": "auto"}` takes the route vLLM picks, ddl-hf's plugin when it is loaded);
 `"alone": true` also decodes each prompt in a request of its own, one after another, into `"alone"`; `"mutant"`, a
 deliberately wrong window in `ddl_hf.vllm_models` ("shifted": every tap one token further back; "not_reset": a new
-sequence starts from whatever its state block held), which the tests must catch.
+sequence starts from whatever its state block held; "no_initial_state": a continued chunk or a prefix-cache hit starts
+from zeros), which the tests must catch. `"cached"` / `"alone_cached"`: each request's prompt tokens served from
+vLLM's prefix cache (`RequestOutput.num_cached_tokens`).
 
 Why a process of its own: vLLM's CPU backend binds the process's threads and memory to cores and NUMA nodes and sets
 the global seed; the test process that builds the models and runs `model.generate` keeps its own settings. The engine
@@ -64,18 +66,21 @@ def mutate(mutant: str) -> None:
             return torch.cat([torch.zeros_like(past[:, :1]), past[:, :-1]], dim=1)
 
         vllm_models.DeltaWindow.exchange = shifted
-    elif mutant == "not_reset":
+    elif mutant in ("not_reset", "no_initial_state"):
+        # not_reset: has_initial_states_p read as all true (a new sequence keeps its block's old window);
+        # no_initial_state: all false (a continued chunk or a prefix-cache hit restarts from zeros).
+        fill = torch.ones_like if mutant == "not_reset" else torch.zeros_like
 
-        class Always:  # has_initial_states_p read as all true: a new sequence keeps its block's old window
+        class Overridden:
             def __init__(self, metadata):
                 self.metadata = metadata
 
             def __getattr__(self, name):
                 value = getattr(self.metadata, name)
-                return torch.ones_like(value) if name == "has_initial_states_p" and value is not None else value
+                return fill(value) if name == "has_initial_states_p" and value is not None else value
 
         exchange = vllm_models.DeltaWindow.exchange
-        vllm_models.DeltaWindow.exchange = lambda self, x, metadata: exchange(self, x, Always(metadata))
+        vllm_models.DeltaWindow.exchange = lambda self, x, metadata: exchange(self, x, Overridden(metadata))
     else:
         raise ValueError(f"unknown mutant {mutant!r}")
 
@@ -106,12 +111,11 @@ def run(jobs: list[dict]) -> list[dict]:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
             outputs = llm.generate(prompts, params, use_tqdm=False)
             result = {"tokens": [list(output.outputs[0].token_ids) for output in outputs], "model_class": built(llm)}
+            result["cached"] = [output.num_cached_tokens or 0 for output in outputs]
             if job.get("alone"):
                 alone = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
                 result["alone"] = [list(output.outputs[0].token_ids) for output in alone]
-                outputs += alone
-            # Prompt tokens that vLLM's prefix cache served (RequestOutput.num_cached_tokens)
-            result["cached_tokens"] = sum(output.num_cached_tokens or 0 for output in outputs)
+                result["alone_cached"] = [output.num_cached_tokens or 0 for output in alone]
             results.append(result)
         except Exception as error:  # the test reads the error
             traceback.print_exc()
