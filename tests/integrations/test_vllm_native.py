@@ -61,7 +61,9 @@ SHARED = torch.randint(0, EOS, (40,), generator=torch.Generator().manual_seed(40
 LONG = [[*SHARED, 7, 8, 9, 10, 11], [*SHARED, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 ALL_PROMPTS = PROMPTS + LONG
 NEW_TOKENS = 16
-NATIVE_ENGINE = dict(model_impl="auto")  # vLLM's own choice: ddl-hf's registered model when the plugin is loaded
+#: vLLM's own choice of implementation (ddl-hf's registered model when the plugin is loaded), without remote code:
+#: ddl-hf's config classes read the config.
+NATIVE_ENGINE = dict(model_impl="auto", trust_remote_code=False)
 #: Chunks of at most 16 tokens (the long prompts continue from their windows) and prefix caching, in blocks of 32
 #: (vLLM's CPU attention takes multiples of 32).
 CHUNKED_AND_CACHED = dict(
