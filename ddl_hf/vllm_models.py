@@ -605,6 +605,11 @@ def check_servable(vllm_config: VllmConfig) -> None:
     if window_names(config):
         if vllm_config.speculative_config is not None:
             problems.append("speculative decoding would need a window per draft token: serve without it")
+        if getattr(vllm_config, "use_v2_model_runner", False):
+            problems.append(
+                "vLLM's V2 model runner keeps per-sequence state only for the models it marks hybrid, and this one "
+                "keeps its convolution windows as such state: set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner)"
+            )
         if vllm_config.cache_config.mamba_cache_mode == "all":
             problems.append("mamba_cache_mode='all' is not supported: use the default ('align' with prefix caching)")
     if problems:

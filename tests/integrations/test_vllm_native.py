@@ -25,6 +25,7 @@ import torch
 from gpt2_fixtures import EOS
 from test_vllm import (
     EXACT,
+    LLAMA_SIZE,
     PROMPTS,
     build,
     check_completions,
@@ -38,6 +39,8 @@ from test_vllm import (
     stop,
     wait_until_ready,
 )
+
+import ddl_hf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -263,3 +266,47 @@ def test_window_exchange_equals_a_recurrent_reference(size, dim_first, indices_2
                 storage.view(blocks, -1)[block[sequence]] = float("nan")
                 free.append(block.pop(sequence))
                 del history[sequence]
+
+
+def serving_config(config, **changes) -> SimpleNamespace:
+    """The parts of a vLLM config that `check_servable` reads, as one engine on one device would have them."""
+    settings = dict(tensor=1, pipeline=1, speculative=None, cache_mode="align", v2=False) | changes
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=settings["tensor"], pipeline_parallel_size=settings["pipeline"]
+        ),
+        speculative_config=settings["speculative"],
+        cache_config=SimpleNamespace(mamba_cache_mode=settings["cache_mode"]),
+        use_v2_model_runner=settings["v2"],
+    )
+
+
+REFUSED = {
+    "delta-net": ("gpt2", dict(token_mixer="delta_net"), {}, "token_mixer='delta_net'"),
+    "unscaled-attention": ("gpt2", dict(scale_attn_weights=False), {}, "scale_attn_weights=False"),
+    "tensor-parallel": ("llama", {}, dict(tensor=2), "tensor and pipeline parallelism"),
+    "speculative": ("llama", TC, dict(speculative=object()), "speculative decoding"),
+    "mamba-cache-all": ("llama", TC, dict(cache_mode="all"), "mamba_cache_mode='all'"),
+    "v2-runner": ("gpt2", TC, dict(v2=True), "VLLM_USE_V2_MODEL_RUNNER=0"),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_native_route_cannot_serve_is_refused_with_one_line(case):
+    """`check_servable` (called while vLLM builds the model) refuses, with one line naming it, a config the route
+    does not serve or a setting it does not support; the same model on one device, V1 runner, passes where only a
+    setting was the problem."""
+    from ddl_hf.vllm_models import check_servable
+
+    family, fields, settings, named = REFUSED[case]
+    if family == "gpt2":
+        config = ddl_hf.DeltaGPTConfig(n_embd=64, n_head=2, n_layer=2, **fields)
+    else:
+        config = ddl_hf.DeltaLlamaConfig(**LLAMA_SIZE, num_hidden_layers=2, **fields)
+    if settings:
+        check_servable(serving_config(config))
+    with pytest.raises(ValueError, match="cannot serve") as raised:
+        check_servable(serving_config(config, **settings))
+    assert "\n" not in str(raised.value) and named in str(raised.value), str(raised.value)
