@@ -8,7 +8,8 @@ One stateless model, which both routes serve exactly: DeltaGPT converted from a 
 weights, d_v = 1, additive, gates open around beta = 1), float32. In one process, three offline engines over the same
 saved directory: the native route (`model_impl="auto"`, ddl-hf's plugin loaded), the Transformers backend
 (`model_impl="transformers"`), a second native engine (the A/A twin: what two identical engines differ by here), and
-vLLM's own GPT-2 on the source model (what the Delta residuals cost a served token).
+vLLM's own GPT-2 on the source model (what the Delta residuals cost a served token); and, native, the source converted
+at d_v = 4 (paper mode) with a linear read and with the TC read (what the windows cost).
 Each round times `generate` of the same prompts (greedy, a fixed number of new tokens) on every engine in turn;
 the ratios of throughputs are taken per round, and the median and range over rounds are reported. Both routes' tokens
 must be equal (checked). Writes benchmarks/results/vllm_routes[_compiled].{json,md}.
@@ -39,6 +40,11 @@ import ddl_hf  # noqa: E402
 
 ROUTES = {"native": "auto", "transformers": "transformers", "native (A/A)": "auto"}
 SOURCE = "GPT-2 (vLLM's own model)"
+#: What the TC windows cost a served token: the same source at d_v = 4 (paper mode), read linearly or through TC.
+WINDOWS = {
+    "d_v = 4, linear read (native)": dict(delta_mode="paper", delta_value_channels=4),
+    "d_v = 4, TC read (native)": dict(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv"),
+}
 
 
 def build_models(directory: Path) -> None:
@@ -50,6 +56,10 @@ def build_models(directory: Path) -> None:
     model = ddl_hf.convert_gpt2(source)
     open_gates(model, seed=0)
     model.save_pretrained(directory / "delta")
+    for i, fields in enumerate(WINDOWS.values()):
+        variant = ddl_hf.convert_gpt2(source, **fields)
+        open_gates(variant, seed=0)
+        variant.save_pretrained(directory / f"windows{i}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
             route: LLM(model=str(directory / "delta"), model_impl=impl, **engine_args) for route, impl in ROUTES.items()
         }
         engines[SOURCE] = LLM(model=str(directory / "source"), **engine_args)  # the baseline: what Delta costs
+        for i, name in enumerate(WINDOWS):
+            engines[name] = LLM(model=str(directory / f"windows{i}"), **engine_args)
         prov = provenance(argv)
         tokens, seconds = {}, {route: [] for route in engines}
         for route, llm in engines.items():  # warm-up, and the tokens each route generates
@@ -117,10 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": seconds,
         "native_over_transformers": ratios("native", "transformers"),
         "native_over_gpt2": ratios("native", SOURCE),
+        "tc_over_linear_read": ratios(*list(WINDOWS)[::-1]),
         "a_a": ratios("native (A/A)", "native"),
         "tokens_equal": True,
     }
     native, aa, gpt2 = result["native_over_transformers"], result["a_a"], result["native_over_gpt2"]
+    tc = result["tc_over_linear_read"]
     rows = "\n".join(f"| {route} | {rate:.1f} |" for route, rate in result["tokens_per_second"].items())
     body = (
         f"# vLLM: native route vs Transformers backend ({result['mode']})\n\n"
@@ -131,7 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"Throughput native / Transformers backend: **{native['median']:.3f}** (rounds {native['low']:.3f} to "
         f"{native['high']:.3f}); A/A (native twin / native): {aa['median']:.3f} "
         f"({aa['low']:.3f} to {aa['high']:.3f}). Native DeltaGPT / vLLM's GPT-2 (the source, whose tokens differ: "
-        f"the gates are open): {gpt2['median']:.3f} ({gpt2['low']:.3f} to {gpt2['high']:.3f}).\n"
+        f"the gates are open): {gpt2['median']:.3f} ({gpt2['low']:.3f} to {gpt2['high']:.3f}). At d_v = 4, paper "
+        f"mode, TC read / linear read (native, 25 windows per sequence): {tc['median']:.3f} ({tc['low']:.3f} to "
+        f"{tc['high']:.3f}).\n"
     )
     name = "vllm_routes_compiled" if args.compiled else "vllm_routes"
     write_results(args.out, name, result, body)
