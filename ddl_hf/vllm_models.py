@@ -40,7 +40,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.models.gpt2 import GPT2Block
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, make_layers, maybe_prefix
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    WeightsMapper,
+    extract_layer_index,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
@@ -245,15 +251,11 @@ def family_parts(config, vllm_config: VllmConfig, prefix: str) -> FamilyParts:
     it (`attention_layer_types`). Qwen3: its own layer (QK-norm). Llama, Mistral, Qwen2: vLLM's Llama layer, whose
     attention takes each layer's window from `layer_types` (vLLM's Qwen2 layer applies one window to every layer),
     with Qwen2's biases on q, k and v only."""
-    family, index = config.source_model_type, int(prefix.rsplit(".", 1)[-1])
+    family, index = config.source_model_type, extract_layer_index(prefix)
     sliding = attention_layer_types(config)[index] == "sliding_attention"
     cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
-    if family == "qwen3":
-        window = config.sliding_window if sliding else None
-        layer = Qwen3DecoderLayer(config, cache_config, quant_config, prefix=prefix, per_layer_sliding_window=window)
-    elif family == "qwen2":
-        layer = nn.Module()
-        layer.self_attn = LlamaAttention(
+    if family == "qwen2":
+        attention = LlamaAttention(
             config=config,
             hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads,
@@ -265,11 +267,14 @@ def family_parts(config, vllm_config: VllmConfig, prefix: str) -> FamilyParts:
             cache_config=cache_config,
             prefix=f"{prefix}.self_attn",
         )
-        layer.mlp = LlamaMLP(
+        mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act, quant_config, prefix=f"{prefix}.mlp"
         )
-        layer.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norms = [RMSNorm(config.hidden_size, eps=config.rms_norm_eps) for _ in range(2)]
+        return FamilyParts(attention, mlp, *norms)
+    if family == "qwen3":
+        window = config.sliding_window if sliding else None
+        layer = Qwen3DecoderLayer(config, cache_config, quant_config, prefix=prefix, per_layer_sliding_window=window)
     else:
         layer = LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix, config=config)
     return FamilyParts(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
@@ -281,7 +286,7 @@ class DeltaLlamaDecoderLayer(nn.Module):
     def __init__(self, config, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         layer = family_parts(config, vllm_config, prefix)
-        index = int(prefix.rsplit(".", 1)[-1])
+        index = extract_layer_index(prefix)
         self.windows = (f"{index}.attn", f"{index}.mlp")
         self.attn_read = DeltaRead(config)
         self.input_layernorm = layer.input_layernorm
@@ -308,7 +313,7 @@ class DeltaGPTBlock(nn.Module):
     def __init__(self, config, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         block = GPT2Block(config, vllm_config.cache_config, vllm_config.quant_config, prefix=prefix)
-        index = int(prefix.rsplit(".", 1)[-1])
+        index = extract_layer_index(prefix)
         self.windows = (f"{index}.attn", f"{index}.mlp")
         self.attn_read = DeltaRead(config)
         self.ln_1 = block.ln_1
