@@ -172,6 +172,36 @@ def greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int = NEW_TOKE
         return model.generate(torch.tensor([prompt]), **kwargs)[0, len(prompt) :].tolist()
 
 
+#: vLLM's greedy tokens are compared with generate's: two implementations that round float32 differently. Their
+#: log-probabilities of the same tokens differ by at most 1.9e-6 on these models (measured here: vLLM's logprobs
+#: against transformers' log-softmax, on four of the test models). A reference whose two best logits come closer than
+#: MARGIN at some step could flip on another machine (another BLAS, another vector width), so every compared model is
+#: built from the first seed whose references keep at least MARGIN at every step: 50x the measured difference.
+MARGIN = 1e-4
+
+
+def smallest_margin(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> float:
+    """The smallest gap between the two best logits over every step of generate's greedy continuations."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS)
+    gaps = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), output_logits=True, return_dict_in_generate=True, **kwargs)
+            gaps += [float(logits[0].topk(2).values.diff().abs()) for logits in out.logits]
+    return min(gaps)
+
+
+def build_clear(family: str, overrides: dict, seed: int, stateful: bool, prompts: list[list[int]]) -> PreTrainedModel:
+    """`build` from the first of the seeds `seed`, `seed + 1000`, ... whose greedy references on `prompts` (and on the
+    served TEXTS) keep MARGIN: token comparisons with vLLM that hold on any machine."""
+    prompts = prompts + [byte_tokenizer()(text).input_ids for text in TEXTS]
+    for attempt in range(10):
+        model = build(family, overrides, seed + 1000 * attempt, stateful)
+        if smallest_margin(model, prompts) >= MARGIN:
+            return model
+    raise AssertionError(f"no seed of {family} {overrides} keeps a margin of {MARGIN} between its two best logits")
+
+
 def shut_gates(model: PreTrainedModel) -> None:
     with torch.no_grad():
         for residual in model.delta_residuals().values():
@@ -194,10 +224,10 @@ def cases(tmp_path_factory) -> dict[str, dict]:
 
 def saved_cases(specs: list[tuple[str, str, dict, bool]], tmp_path_factory) -> dict[str, dict]:
     """(case, family, overrides, stateful) -> the model saved with its tokenizer, generate's tokens for each prompt
-    and with its gates shut (the seed is the case's place in `specs`)."""
+    and with its gates shut (the seed: the case's place in `specs`, or the first after it that keeps MARGIN)."""
     result = {}
     for seed, (case, family, overrides, stateful) in enumerate(specs):
-        model = build(family, overrides, seed, stateful)
+        model = build_clear(family, overrides, seed, stateful, PROMPTS)
         directory = save(model, tmp_path_factory.mktemp(case))
         reference = [greedy(model, prompt) for prompt in PROMPTS]
         shut = copy.deepcopy(model)

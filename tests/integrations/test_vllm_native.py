@@ -28,6 +28,7 @@ from test_vllm import (
     LLAMA_SIZE,
     PROMPTS,
     build,
+    build_clear,
     check_completions,
     complete_texts,
     greedy,
@@ -79,7 +80,7 @@ def native_cases(tmp_path_factory) -> dict[str, dict]:
     """Every model saved, with generate's tokens for each prompt alone."""
     result = {}
     for seed, (case, (family, overrides)) in enumerate(NATIVE.items()):
-        model = build(family, overrides, seed + 100, stateful=True)
+        model = build_clear(family, overrides, seed + 100, True, ALL_PROMPTS)
         directory = save(model, tmp_path_factory.mktemp(case))
         reference = [greedy(model, p, NEW_TOKENS) for p in ALL_PROMPTS]
         result[case] = dict(directory=directory, reference=reference, model=model)
