@@ -441,7 +441,7 @@ def trends(plan: Plan, lengths: list[dict | None]) -> dict[str, dict]:
         seeds = sorted(set.intersection(*(set(s["comparisons"][name]["seeds"]) for s in sizes)))
         if len(seeds) < 2:
             continue
-        entry = {"lengths": [s["tokens_per_param"] for s in sizes], "seeds": seeds}
+        entry = {"lengths": [s["tokens_per_param"] for s in sizes], "seeds": seeds, "segments": []}
         for key in ("equal_steps", "equal_compute"):
             by_seed = {}
             for seed in seeds:
@@ -449,19 +449,25 @@ def trends(plan: Plan, lengths: list[dict | None]) -> dict[str, dict]:
                     s["comparisons"][name][key]["per_seed"][s["comparisons"][name]["seeds"].index(seed)] for s in sizes
                 ]
             entry[key] = paired_slope(xs, by_seed)
+            if len(sizes) > 2:  # a straight line through three lengths or more can hide a turn: each step's own slope
+                for j in range(len(sizes) - 1):
+                    if len(entry["segments"]) <= j:
+                        entry["segments"].append({"lengths": entry["lengths"][j : j + 2]})
+                    pair = {seed: ys[j : j + 2] for seed, ys in by_seed.items()}
+                    entry["segments"][j][key] = paired_slope(xs[j : j + 2], pair)
         out[name] = entry
     return out
 
 
 def analyse(plan: Plan, rows: tuple[str, ...], cache_dir: str) -> dict[str, Any]:
     """Every length, the trends, and Holm's correction over the Δ table (every contrast at every length and both
-    budgets: one family) and, separately, over the trends (one family)."""
+    budgets: one family) and, separately, over the trends and their segments (one family)."""
     lengths = [analyse_length(plan, rows, i, cache_dir) for i in range(len(plan.lengths))]
     check_across_lengths(plan, rows, lengths, cache_dir)
     slopes = trends(plan, lengths)
     for family in (
         [c[k] for s in lengths if s for c in s["comparisons"].values() for k in ("equal_steps", "equal_compute")],
-        [t[k] for t in slopes.values() for k in ("equal_steps", "equal_compute")],
+        [part[k] for t in slopes.values() for part in (t, *t["segments"]) for k in ("equal_steps", "equal_compute")],
     ):
         for test, adjusted in zip(family, controls.holm([t["p"] for t in family]), strict=True):
             test["p_holm"] = adjusted
@@ -600,16 +606,22 @@ def markdown(results: dict) -> str:
         "## The trend: slope of Δ against log2(tokens per parameter)",
         "",
         "Per comparison seed, the least-squares slope of its Δ over the lengths it has (nats per doubling of the "
-        "training length); mean over seeds with the slopes' 95% t-interval; Holm over this table. Negative = the row "
-        "gains on its control as training lengthens.",
+        "training length); mean over seeds with the slopes' 95% t-interval. With three lengths or more, the rows "
+        "marked → give each step between neighbouring lengths on its own (the same per-seed slope over two "
+        "lengths), so a turn the straight line averages away shows. Holm over this table. Negative = the row gains "
+        "on its control as training lengthens.",
         "",
         "| row − control | budget | lengths (tokens/param) | seeds | slope [95% CI] (p, Holm) | |",
         "|---|---|---|---|---|---|",
         *(
-            f"| {contrast_label(name)} | {key.replace('_', ' ')} | {', '.join(f'{x:g}' for x in t['lengths'])} | "
-            f"{len(t['seeds'])} | {fmt_test(t[key])} | {slope_verdict(t[key])} |"
+            f"| {contrast_label(name)} | {key.replace('_', ' ')} | {span} | "
+            f"{len(t['seeds'])} | {fmt_test(part[key])} | {slope_verdict(part[key])} |"
             for name, t in a["trends"].items()
             for key in ("equal_steps", "equal_compute")
+            for span, part in [
+                (", ".join(f"{x:g}" for x in t["lengths"]), t),
+                *(("{:g} → {:g}".format(*seg["lengths"]), seg) for seg in t["segments"]),
+            ]
         ),
     ]
     lines += [

@@ -102,6 +102,40 @@ def test_paired_slope_of_exactly_linear_differences_is_their_common_slope():
     assert got["mean"] == pytest.approx(-0.02, abs=1e-15) and got["std"] == pytest.approx(0, abs=1e-15)
 
 
+def fake_lengths(deltas: dict[float, list[float]], seeds=(0, 1, 2, 3)) -> list[dict]:
+    """`analyse_length` outputs with one contrast whose per-seed Δ at each length is given (both budgets alike)."""
+    return [
+        {
+            "tokens_per_param": x,
+            "comparisons": {
+                "ref_dv1 - gpt2": {
+                    "seeds": list(seeds),
+                    "equal_steps": {"per_seed": ys},
+                    "equal_compute": {"per_seed": [-y for y in ys]},
+                }
+            },
+        }
+        for x, ys in deltas.items()
+    ]
+
+
+def test_a_turn_shows_in_the_segments_that_the_straight_line_averages_away():
+    """Δ that rises 0.3 from 1x to 4x and falls 0.3 from 4x to 16x, plus a per-seed offset: the line's slope is 0,
+    each step's slope is ±0.3 / 2 doublings, for every seed (closed form)."""
+    offsets = [0.01, -0.02, 0.03, 0.0]
+    got = length.trends(length.PLANS["full"], fake_lengths({1: offsets, 4: [o + 0.3 for o in offsets], 16: offsets}))
+    t = got["ref_dv1 - gpt2"]
+    assert t["equal_steps"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert [seg["lengths"] for seg in t["segments"]] == [[1, 4], [4, 16]]
+    for seg, slope in zip(t["segments"], (0.15, -0.15), strict=True):
+        assert list(seg["equal_steps"]["per_seed"].values()) == pytest.approx([slope] * 4, abs=1e-12)
+        assert seg["equal_compute"]["mean"] == pytest.approx(-slope, abs=1e-12)
+    # Two lengths: the line is the one step, and no segment repeats it.
+    assert (
+        length.trends(length.PLANS["full"], fake_lengths({1: offsets, 4: offsets}))["ref_dv1 - gpt2"]["segments"] == []
+    )
+
+
 def test_curve_shape_reads_minimum_late_drop_and_gap():
     curve = [(0, 6.0), (50, 4.0), (90, 3.5), (100, 3.6)]
     runs = [{"curve": curve, "train_loss": [(50, 4.2), (100, 3.0)]}, {"curve": curve, "train_loss": []}]
@@ -151,6 +185,11 @@ def test_quick_study_lists_every_cell_and_the_trend_of_every_contrast(quick, tmp
             xs = [math.log2(x) for x in t["lengths"]]
             assert t[key]["mean"] == pytest.approx(length.paired_slope(xs, ys)["mean"], abs=1e-12)
             assert math.isfinite(t[key]["ci_low"]) and t[key]["p"] <= t[key]["p_holm"] <= 1
+            for j, seg in enumerate(t["segments"]):  # each step between neighbouring lengths, Holm with the lines
+                pair = {s: ys[s][j : j + 2] for s in t["seeds"]}
+                assert seg[key]["mean"] == pytest.approx(length.paired_slope(xs[j : j + 2], pair)["mean"], abs=1e-12)
+                assert seg[key]["p"] <= seg[key]["p_holm"] <= 1
+        assert len(t["segments"]) == len(plan.lengths) - 1
     report = (tmp / "out" / "pretrain_length_quick.md").read_text()
     assert "slope of Δ against log2" in report and "β regimes per length" in report and "Partial" not in report
     assert (tmp / "out" / "pretrain_length_quick.png").stat().st_size > 10_000
