@@ -441,20 +441,27 @@ def trends(plan: Plan, lengths: list[dict | None]) -> dict[str, dict]:
         seeds = sorted(set.intersection(*(set(s["comparisons"][name]["seeds"]) for s in sizes)))
         if len(seeds) < 2:
             continue
-        entry = {"lengths": [s["tokens_per_param"] for s in sizes], "seeds": seeds, "segments": []}
-        for key in ("equal_steps", "equal_compute"):
-            by_seed = {}
-            for seed in seeds:
-                by_seed[seed] = [
+        budgets = {
+            key: {
+                seed: [
                     s["comparisons"][name][key]["per_seed"][s["comparisons"][name]["seeds"].index(seed)] for s in sizes
                 ]
-            entry[key] = paired_slope(xs, by_seed)
-            if len(sizes) > 2:  # a straight line through three lengths or more can hide a turn: each step's own slope
-                for j in range(len(sizes) - 1):
-                    if len(entry["segments"]) <= j:
-                        entry["segments"].append({"lengths": entry["lengths"][j : j + 2]})
-                    pair = {seed: ys[j : j + 2] for seed, ys in by_seed.items()}
-                    entry["segments"][j][key] = paired_slope(xs[j : j + 2], pair)
+                for seed in seeds
+            }
+            for key in ("equal_steps", "equal_compute")
+        }
+        entry = {"lengths": [s["tokens_per_param"] for s in sizes], "seeds": seeds}
+        entry |= {key: paired_slope(xs, by_seed) for key, by_seed in budgets.items()}
+        # A straight line through three lengths or more can average a turn away: each step's own slope beside it.
+        steps = range(len(sizes) - 1) if len(sizes) > 2 else range(0)
+        entry["segments"] = [
+            {"lengths": entry["lengths"][j : j + 2]}
+            | {
+                key: paired_slope(xs[j : j + 2], {seed: ys[j : j + 2] for seed, ys in by_seed.items()})
+                for key, by_seed in budgets.items()
+            }
+            for j in steps
+        ]
         out[name] = entry
     return out
 
