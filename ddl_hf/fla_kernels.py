@@ -60,7 +60,9 @@ def fla_delta_rule(
     from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
     rule = chunk_delta_rule if chunked else fused_recurrent_delta_rule
-    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, T, H, d]
+    # fla's kernels take q, k and v in one dtype; under autocast DeltaNet's q and k come from `normalize`, whose norm
+    # autocast runs in float32, while v is the projection's bf16 / fp16: v's dtype is the kernel's.
+    q, k, v = (x.transpose(1, 2).to(v.dtype).contiguous() for x in (q, k, v))  # [B, T, H, d]
     beta = beta.transpose(1, 2).to(v.dtype).contiguous()  # [B, T, H]
     if initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).float().contiguous()  # [B, H, d_k, d_v]

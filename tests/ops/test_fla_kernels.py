@@ -144,6 +144,7 @@ class StubRule:
         self.calls = []
 
     def __call__(self, q, k, v, beta, *, scale, initial_state, output_final_state, cu_seqlens=None):
+        assert q.dtype == k.dtype == v.dtype, "fla's kernels take q, k and v in one dtype (chunk_delta_rule asserts it)"
         call = dict(q=q, k=k, v=v, beta=beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
         self.calls.append(call)
         b, t, h, d_k = k.shape
@@ -186,6 +187,21 @@ def test_the_chunked_kernel_takes_half_precision_sequences_with_the_same_argumen
     assert torch.equal(call["beta"], x["beta"].transpose(1, 2).to(dtype))  # [B, T, H]
     assert torch.equal(call["initial_state"], x["initial_state"].transpose(-1, -2).float())  # fla's [B, H, d_k, d_v]
     assert o.shape == x["v"].shape and state.shape == x["initial_state"].shape  # back in our layout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q_and_k_in_float32_beside_a_half_precision_v_reach_fla_in_vs_dtype(stub_fla, dtype):
+    """What DeltaNet gives under CUDA autocast: `normalize` takes its norm in float32 there (autocast's float32 list),
+    so q and k arrive in float32 while v is the projection's half precision. fla's chunked kernel asserts one dtype
+    (found on an H200); the mapping hands it all three in v's, rounding nothing beyond v's own precision."""
+    chunk, _ = stub_fla
+    x = inputs(12, torch.float32)
+    x["v"] = x["v"].to(dtype)
+    o, _ = fla_delta_rule(**x, erase=True, document_starts=None)
+    call = chunk.calls[0]
+    for name in ("q", "k", "v"):
+        assert torch.equal(call[name], x[name].transpose(1, 2).to(dtype))
+    assert o.dtype == dtype
 
 
 def test_the_write_only_rule_and_packed_rows_without_boundaries_take_the_torch_forms(stub_fla):
