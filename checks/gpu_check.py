@@ -17,6 +17,10 @@ Sections (each check catches its own exception and is recorded as an error; one 
   cache against without it; SDPA against eager attention, and flash attention where it is installed.
 - sync: a training step (forward + backward) and a cached decoding step under
   `torch.cuda.set_sync_debug_mode("error")`, with GPT2LMHeadModel / LlamaForCausalLM as the controls (CUDA only).
+- fla: DeltaNet's delta rule through flash-linear-attention's kernels against the float64 recurrent reference, and a
+  DeltaNet training step with them against the torch form (CUDA with fla installed).
+- profile: one eager training step of GPT-2 and of two Delta variants at the 124M shape under torch.profiler: wall
+  time beside the device's busy time, kernel launches, and busy time by class (matmul, attention, other).
 - cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio next to the baseline
   timed against itself (the A/A noise floor): training tokens/s and peak memory at the 124M shape (bf16 autocast,
   eager and `torch.compile`), batch-1 and batch-32 decoding tokens/s (eager, and compiled with the static cache
@@ -32,6 +36,7 @@ import gc
 import importlib.metadata
 import inspect
 import math
+import re
 import statistics
 import sys
 import time
@@ -40,6 +45,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers import utils as hf_utils
 from transformers.utils import logging as hf_logging
@@ -532,19 +539,22 @@ def train_step_fn(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.op
     return step
 
 
-def peak_step_bytes(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Peak tensor bytes of one training step: the model's parameters, buffers and AdamW state, plus the most the
-    step allocates on top (CUDA: the caching allocator's peak; CPU: the running sum of the profiler's allocations)."""
+def peak_step_memory(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Peak tensor bytes of one training step (`bytes`): the model's parameters, buffers and AdamW state, plus the
+    most the step allocates on top (CUDA: the caching allocator's peak above what was allocated when the step began;
+    CPU: the running sum of the profiler's allocations). On CUDA also the allocator's own readings, everything in
+    the process counted: `allocated_at_start` and `peak_allocated` (what a graph keeps between steps shows there)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
-        return peak_train_bytes(step, model, optimizer)  # bench_overhead's, from the profiler
+        return {"bytes": peak_train_bytes(step, model, optimizer)}  # bench_overhead's, from the profiler
     before = live_bytes(model, optimizer)
     synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     step()
     synchronize(device)
-    return before + torch.cuda.max_memory_allocated(device) - start
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"bytes": before + peak - start, "allocated_at_start": start, "peak_allocated": peak}
 
 
 def generate_fn(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int, compiled: str | None) -> Callable:
@@ -627,24 +637,31 @@ class CostRunner:
             return interleaved(step_a, step_a, pairs, self.device, warmup=False)
 
         def aa_memory() -> dict:
-            first = peak_step_bytes(step_a, base["model"], base["optimizer"])
-            second = peak_step_bytes(step_a, base["model"], base["optimizer"])
-            return {"baseline_bytes": first, "delta_bytes": second, "ratio": second / first}
+            first = peak_step_memory(step_a, base["model"], base["optimizer"])
+            second = peak_step_memory(step_a, base["model"], base["optimizer"])
+            return {
+                "baseline_bytes": first["bytes"],
+                "delta_bytes": second["bytes"],
+                "ratio": second["bytes"] / first["bytes"],
+                "baseline_allocator": {k: v for k, v in first.items() if k != "bytes"},
+            }
 
         floor_time = self.floor(family, f"train_{kind}", aa_time)
         floor_memory = self.floor(family, f"memory_{kind}", aa_memory)
         timing = interleaved(step_a, step_b, pairs, self.device, warmup=False)
         memory_a = floor_memory["baseline_bytes"]  # the baseline's step does not change between rows
-        memory_b = peak_step_bytes(step_b, delta, optimizer)
+        memory_b = peak_step_memory(step_b, delta, optimizer)
         for model in models:
             model.eval()
         return {
             f"train_{kind}": throughput(timing, floor_time, ids.numel()),
             f"peak_train_memory_{kind}": {
                 "baseline_bytes": memory_a,
-                "delta_bytes": memory_b,
-                "ratio": memory_b / memory_a,
+                "delta_bytes": memory_b["bytes"],
+                "ratio": memory_b["bytes"] / memory_a,
                 "aa_floor": aa_summary(floor_memory),
+                "baseline_allocator": floor_memory["baseline_allocator"],
+                "delta_allocator": {k: v for k, v in memory_b.items() if k != "bytes"},
             },
         }
 
@@ -773,12 +790,117 @@ def _cost_line(row: dict) -> str:
     return " ".join(f"{k} {v['ratio']:.3f}" if "ratio" in v else f"{k} {v['status']}" for k, v in _metrics(row).items())
 
 
+# --- profile: where a training step's time goes -------------------------------------------------------------------
+
+#: The Delta models profiled beside their GPT-2 baseline: the cheapest and the expanded state.
+PROFILE_VARIANTS = ("additive-dv1", "paper-dv4")
+#: Kernel classes, by name: attention's kernels and the GEMM libraries' (cuBLAS, CUTLASS, cuBLASLt's nvjet). Every
+#: other kernel (elementwise, reductions, copies, the optimizer) is "other": what the Delta residual adds lands there.
+KERNEL_CLASSES = (  # in order: attention's kernels may be CUTLASS ones (fmha_cutlassF...)
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.IGNORECASE)),
+    (
+        "matmul",
+        re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|splitk|^aten::(mm|addmm|bmm|baddbmm)$", re.IGNORECASE),
+    ),
+)
+
+
+#: aten operators that change metadata or allocate and launch no kernel: left out of the CPU's stand-in count.
+NO_KERNEL = frozenset(
+    f"aten::{op}"
+    for op in [
+        *("view", "_unsafe_view", "_reshape_alias", "as_strided", "alias", "detach", "expand", "permute", "transpose"),
+        *("t", "unsqueeze", "squeeze", "select", "slice", "narrow", "unbind", "split", "split_with_sizes", "empty"),
+        *("empty_strided", "resize_", "lift_fresh", "set_", "is_nonzero"),
+    ]
+)
+
+
+def kernel_class(name: str) -> str:
+    return next((label for label, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
+
+
+def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
+    """One call of `step` under torch.profiler: the device's kernels (CUDA), or on the CPU a stand-in (the matmul and
+    attention operators and the aten operators that call no other, by self time), as launches and busy milliseconds
+    per class, with the ten costliest "other" kernels."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    if device.type == "cuda":
+        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        kernels = [
+            (e.name, e.self_cpu_time_total)
+            for e in prof.events()
+            if e.name.startswith("aten::")
+            and e.name not in NO_KERNEL
+            and (kernel_class(e.name) != "other" or not any(c.name.startswith("aten::") for c in e.cpu_children))
+        ]
+    by_class = {label: {"kernels": 0, "ms": 0.0} for label in ("matmul", "attention", "other")}
+    other: dict[str, list[float]] = {}
+    for name, us in kernels:
+        label = kernel_class(name)
+        by_class[label]["kernels"] += 1
+        by_class[label]["ms"] += us / 1e3
+        if label == "other":
+            entry = other.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += us / 1e3
+    top = sorted(other.items(), key=lambda item: -item[1][1])[:10]
+    return {
+        "kernels": len(kernels),
+        "busy_ms": sum(us for _, us in kernels) / 1e3,
+        "by_class": by_class,
+        "top_other": [{"name": name[:120], "kernels": n, "ms": ms} for name, (n, ms) in top],
+    }
+
+
+def profile_section(plan: dict, device: torch.device) -> dict:
+    """GPT-2 and each Delta variant of PROFILE_VARIANTS at the cost shape: one eager bf16 training
+    step's wall time (median of 3, no profiler) beside the device's busy time and kernel launches from one profiled
+    step. Busy well below wall: the host's dispatch sets the pace (more launches cost time even when each is short);
+    busy near wall: the kernels do, and "other" says how much of them is not matmul or attention."""
+    shape = plan["cost"]
+    baseline = build_baseline("gpt2", shape).to(device)
+    baseline.loss_type = "ForCausalLM"
+    ids = random_ids(shape["vocab_size"], shape["batch"], shape["seq"], seed=4).to(device)
+    rows = []
+    for name in ("gpt2", *PROFILE_VARIANTS):
+        model = baseline if name == "gpt2" else build_delta(name, baseline).to(device)
+        model.loss_type = "ForCausalLM"
+        model.train()
+        step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        step()
+        step()  # AdamW's state exists; caches are warm
+        walls = []
+        for _ in range(3):
+            synchronize(device)
+            begin = time.perf_counter()
+            step()
+            synchronize(device)
+            walls.append(time.perf_counter() - begin)
+        record = {"model": name, "wall_ms": statistics.median(walls) * 1e3, **step_kernels(step, device)}
+        rows.append(record)
+        print(
+            f"profile     {name:20s} wall {record['wall_ms']:.1f} ms, busy {record['busy_ms']:.1f} ms, "
+            f"{record['kernels']} kernels",
+            flush=True,
+        )
+        model.eval()
+        if model is not baseline:
+            del model, step
+            free(device)
+    return {"shape": shape, "tokens": ids.numel(), "rows": rows}
+
+
 # --- report ------------------------------------------------------------------------------------------------------
 
 
 def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
     """(section, label, record) of every check with a status."""
-    for key in ("correctness", "sync", "fla"):
+    for key in ("correctness", "sync", "fla", "profile"):
         section = results.get(key) or {}
         if section.get("status") in ("error", "skipped"):
             yield key, "section", section
@@ -965,6 +1087,41 @@ def markdown(results: dict) -> str:
                         f"{record['delta_bytes'] / 2**20:.0f} |"
                     )
         lines.append("")
+    prof = results.get("profile") or {}
+    if prof:
+        lines += [
+            "## Where a training step's time goes",
+            "",
+            "One eager training step (bf16 autocast, AdamW) of GPT-2 and of Delta variants at the cost shape: wall time"
+            " (median of 3, no profiler) beside the device's busy time and its kernel launches in one profiled step,"
+            " split into matmul, attention and other kernels (by kernel name). On the CPU the 'kernels' are the aten"
+            " operators that call no other. Busy well below wall: the host's dispatch sets the pace.",
+            "",
+        ]
+        if prof.get("status") in ("skipped", "error"):
+            lines += _not_run(prof)
+        else:
+            lines += [
+                "| model | wall ms | busy ms | kernels | matmul ms | attention ms | other ms (kernels) |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for row in prof["rows"]:
+                c = row["by_class"]
+                lines.append(
+                    f"| {row['model']} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['kernels']} |"
+                    f" {c['matmul']['ms']:.1f} | {c['attention']['ms']:.1f} |"
+                    f" {c['other']['ms']:.1f} ({c['other']['kernels']}) |"
+                )
+            for row in prof["rows"][1:]:
+                lines += [
+                    "",
+                    f"Costliest other kernels, {row['model']}:",
+                    "",
+                    "| kernel | launches | ms |",
+                    "|---|---|---|",
+                ]
+                lines += [f"| `{k['name']}` | {k['kernels']} | {k['ms']:.2f} |" for k in row["top_other"]]
+            lines.append("")
     fla = results.get("fla") or {}
     if fla:
         lines += [
@@ -1088,7 +1245,7 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-SECTIONS = ("correctness", "sync", "cost", "fla")
+SECTIONS = ("correctness", "sync", "fla", "profile", "cost")  # cost last: its budget guard drops what is left
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1140,6 +1297,8 @@ def main(argv: list[str] | None = None) -> dict:
             run = lambda: sync_section(plan, device, args.variants)  # noqa: E731
         elif name == "fla":
             run = lambda: fla_section(plan, device)  # noqa: E731
+        elif name == "profile":
+            run = lambda: profile_section(plan, device)  # noqa: E731
         else:
             run = lambda: cost_section(  # noqa: E731
                 plan, device, backend, (args.variants, compiled), start, args.budget_s, save

@@ -102,6 +102,35 @@ def test_every_ratio_comes_with_its_aa_floor(run):
     assert "## Cost" in md and "(A/A " in md and "not supported" in md
 
 
+def test_the_profile_splits_each_steps_kernels_and_the_delta_models_launch_more(run):
+    """The profile section's accounting on the CPU stand-in: every launch and millisecond in exactly one class, the
+    ten costliest "other" kernels within that class, and each Delta model launching more than GPT-2 (its residuals
+    add operators: a profile that missed them would show the same count)."""
+    results, md = run
+    rows = results["profile"]["rows"]
+    assert [row["model"] for row in rows] == ["gpt2", *gpu_check.PROFILE_VARIANTS]
+    for row in rows:
+        classes = row["by_class"].values()
+        assert row["kernels"] == sum(c["kernels"] for c in classes) > 0
+        assert row["busy_ms"] == pytest.approx(sum(c["ms"] for c in classes))
+        assert row["wall_ms"] > 0 and row["by_class"]["matmul"]["kernels"] > 0
+        top = row["top_other"]
+        assert sum(k["kernels"] for k in top) <= row["by_class"]["other"]["kernels"]
+        assert [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+    for row in rows[1:]:
+        assert row["kernels"] > rows[0]["kernels"], row["model"]
+    assert "## Where a training step's time goes" in md and "| additive-dv1 |" in md
+
+
+def test_memory_rows_keep_the_allocators_readings_beside_the_ratio(run):
+    """On CUDA the allocator's own start and peak sit beside each memory ratio (empty on the CPU, which has none)."""
+    results, _ = run
+    for row in results["cost"]["rows"]:
+        for name, metric in gpu_check._metrics(row).items():
+            if "baseline_bytes" in metric:
+                assert metric["baseline_allocator"] == {} and metric["delta_allocator"] == {}, name
+
+
 def test_nothing_failed(run):
     results, md = run
     assert results["summary"]["failures"] == []
