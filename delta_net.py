@@ -222,7 +222,8 @@ class DeltaNetAttention(nn.Module):
         if cache is not None:
             cache.update_recurrent_state(state.detach(), self.layer_idx, num_new_tokens=seq_len)
 
-        o = self.o_norm(o.transpose(1, 2)).reshape(batch, seq_len, self.inner_dim)
+        # In the norm's dtype: under autocast o is bf16 / fp16 beside a float32 weight, which rms_norm cannot fuse.
+        o = self.o_norm(o.transpose(1, 2).to(self.o_norm.weight.dtype)).reshape(batch, seq_len, self.inner_dim)
         return self.resid_dropout(self.o_proj(o)), None
 
     def _short_conv(
