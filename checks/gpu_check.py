@@ -904,6 +904,9 @@ def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
         section = results.get(key) or {}
         if section.get("status") in ("error", "skipped"):
             yield key, "section", section
+        for name, record in section.items():  # a section's own checks beside its rows (fla: the model's logits)
+            if isinstance(record, dict) and "status" in record:
+                yield key, name, record
         for row in section.get("rows", []):
             label = row.get("variant") or row.get("case")
             if row.get("status") == "error":
@@ -1138,6 +1141,7 @@ def markdown(results: dict) -> str:
         else:
             lines += ["| case | rule vs float64 recurrent |", "|---|---|"]
             lines += [f"| {row['case']} | {_cell(row['check'])} |" for row in fla["rows"]]
+            lines += [f"| DeltaNet model, bf16 autocast logits vs float32 | {_cell(fla.get('model_logits'))} |"]
             lines += ["", f"Training step, fla / torch: {_ratio_cell(fla.get('train_step_fla_vs_torch'))}", ""]
     failures = results["summary"]["failures"]
     lines += ["## Failures", ""]
@@ -1188,6 +1192,26 @@ def fla_rule_errors(device: torch.device, heads: int = 4, d: int = 64) -> list[d
     return rows
 
 
+def fla_model_check(model: PreTrainedModel, ids: torch.Tensor) -> dict:
+    """A DeltaNet model's logits under bf16 autocast with the registered "delta_rule" kernel against the same model
+    in float32 with the torch forms; bound: BF16_FACTOR times the torch forms' own bf16 error (at least bf16's eps),
+    the rule the correctness section applies to every variant. What the rule rows cannot see, the model's own inputs
+    to the kernel (dtypes, layouts, a state carried between chunks), it sees."""
+    from ddl_hf.delta_ops import register_kernel, registered_kernel
+
+    kernel = registered_kernel("delta_rule")
+    register_kernel("delta_rule", None)
+    try:
+        with exact_fp32():
+            reference = logits_of(model, ids)
+        torch_bf16 = rel_err(logits_of(model, ids, bf16=True), reference)
+    finally:
+        register_kernel("delta_rule", kernel)
+    error = rel_err(logits_of(model, ids, bf16=True), reference)
+    bound = BF16_FACTOR * max(torch_bf16, EPS_BF16)
+    return {"status": passed(error <= bound), "error": error, "bound": bound, "torch_error": torch_bf16}
+
+
 def fla_section(plan: dict, device: torch.device) -> dict:
     """fla's kernels against our torch forms on the device: the rule's numbers, then a DeltaNet model's bf16
     training step with the kernels registered against the same step in torch (ratio < 1: fla is faster)."""
@@ -1206,6 +1230,7 @@ def fla_section(plan: dict, device: torch.device) -> dict:
     model = DeltaGPTForCausalLM(DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net")).to(device).train()
     model.loss_type = "ForCausalLM"
     ids = random_ids(model.config.vocab_size, plan["cost"]["batch"], plan["cost"]["seq"], seed=5).to(device)
+    section["model_logits"] = guarded(lambda: fla_model_check(model, ids[:2]))
     step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
     def torch_step() -> None:

@@ -147,6 +147,38 @@ def test_budget_guard_skips_the_rows_past_the_budget():
     assert all(row["status"] == "skipped" and "time budget" in row["reason"] for row in section["rows"])
 
 
+def test_the_fla_model_check_compares_the_kernels_logits_with_float32_torch():
+    """The model-level fla check on the CPU with stand-in kernels registered for CPU tensors: the torch chunkwise form
+    passes (its own error is the bound's base), one whose outputs come a token late fails, and the kernel is what the
+    model ran."""
+    from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+    from ddl_hf.delta_ops import DeltaKernel, delta_rule_chunkwise, register_kernel, registered_kernel
+
+    shape = gpu_check.TINY["check"]
+    config = gpu_check.base_config("gpt2", shape).to_dict()
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    torch.manual_seed(0)
+    model = DeltaGPTForCausalLM(DeltaGPTConfig(**fields, **gpu_check._COMMON, token_mixer="delta_net")).eval()
+    ids = gpu_check.random_ids(model.config.vocab_size, 2, shape["seq"], seed=3)
+    calls = []
+
+    def chunkwise(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens, shift=0):
+        calls.append(v.dtype)
+        o, state = delta_rule_chunkwise(q, k, v, beta, initial_state=initial_state, erase=erase)
+        return o.roll(shift, dims=2), state  # shift: outputs one token late (a scale would vanish in o_norm)
+
+    before = registered_kernel("delta_rule")
+    try:
+        register_kernel("delta_rule", DeltaKernel(chunkwise, None, lambda x: True))
+        record = gpu_check.fla_model_check(model, ids)
+        assert record["status"] == "pass" and 0 < record["torch_error"] <= record["bound"], record
+        assert calls and len(calls) == model.config.n_layer  # the bf16 forward with the kernel, one call per layer
+        register_kernel("delta_rule", DeltaKernel(lambda *a: chunkwise(*a, shift=1), None, lambda x: True))
+        assert gpu_check.fla_model_check(model, ids)["status"] == "fail"
+    finally:
+        register_kernel("delta_rule", before)
+
+
 def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
     def broken(*args):
         raise RuntimeError("boom")
