@@ -58,11 +58,14 @@ class DeltaKernel(NamedTuple):
       inputs (the tensor ops then run).
 
     `applies(tensor) -> bool` says whether the kernel can take this op's inputs (device, dtype, not while compiling).
+    `mixed_dtypes` ("delta_update" only): the kernel also takes a state, h, beta and value of different float dtypes
+    (what bf16 / fp16 autocast gives: a float32 state beside a half-precision h), as the tensor ops do.
     """
 
     forward: Callable
     backward: Callable | None
     applies: Callable[[torch.Tensor], bool]
+    mixed_dtypes: bool = False
 
 
 KERNEL_OPS = ("delta_update", "tc_read", "residual_step", "delta_rule")
@@ -85,7 +88,7 @@ def register_kernel(op: str, kernel: DeltaKernel | None) -> None:
         _KERNELS.pop(op, None)
     elif not all(
         callable(getattr(kernel, name, None)) or (name == "backward" and op in INFERENCE_OPS + AUTOGRAD_OPS)
-        for name in DeltaKernel._fields
+        for name in ("forward", "backward", "applies")
     ):
         raise TypeError(f"register_kernel: expected a DeltaKernel(forward, backward, applies), got {type(kernel)}.")
     else:
@@ -233,6 +236,42 @@ def _fused_delta_forward(
     return out.to(out_dtype), r, hx
 
 
+def _fused_delta_backward(
+    grad_out: torch.Tensor,
+    state: torch.Tensor | None,
+    h: torch.Tensor,
+    beta: torch.Tensor,
+    value: torch.Tensor,
+    r: torch.Tensor,
+    hx: torch.Tensor | None,
+    additive: bool,
+    erase: bool,
+    needs: tuple[bool, ...],
+    state_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of `_fused_delta_forward` (the formulas above) with respect to state, h, beta `[..., 1]` and
+    value, each None where `needs` says it is not needed; `state` None without erase (not saved)."""
+    g, hf = at_least_float32(grad_out), at_least_float32(h)
+    hg = _dot(hf, g)  # h^T g, so k^T g = r hg
+    residual = value - r * hx if erase else value  # v - k^T X
+    b_kg = beta * r * hg  # beta k^T g = dL/dv
+    grad_state = grad_h = None
+    if needs[0]:
+        grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)) if erase else g
+        grad_state = grad_state.to(state_dtype)
+    if needs[1]:
+        coef = beta * residual
+        scale = r * coef + 1.0 if additive else r * coef
+        h_dot_dk = (hg * coef - hx * b_kg if erase else hg * coef).sum(-1, keepdim=True)
+        grad_h = _mix(g, scale) - hf * (r * r * r * h_dot_dk)
+        if erase:
+            grad_h = grad_h + _mix(at_least_float32(state), -r * b_kg)
+        grad_h = grad_h.to(h.dtype)
+    grad_beta = (r * hg * residual).sum(-1, keepdim=True) if needs[2] else None
+    grad_value = b_kg if needs[3] else None
+    return grad_state, grad_h, grad_beta, grad_value
+
+
 def _flat(state, h, beta, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """state, h, beta, value as a kernel takes them: `[N, D, d_v]`, `[N, D]`, `[N]`, `[N, d_v]` (d_v = 1 for a vector
     state). Views where the tensors are contiguous."""
@@ -277,25 +316,10 @@ class _FusedDeltaUpdate(torch.autograd.Function):
                 g.view(like.shape) if need else None for g, like, need in zip(grads, (grad_out, h, beta, value), needs)
             )
             return (*shaped, None, None, None, None)
-        g, hf = at_least_float32(grad_out), at_least_float32(h)
-        hg = _dot(hf, g)  # h^T g, so k^T g = r hg
-        residual = value - r * hx if erase else value  # v - k^T X
-        b_kg = beta * r * hg  # beta k^T g = dL/dv
-        grad_state = grad_h = None
-        if ctx.needs_input_grad[0]:
-            grad_state = torch.addcmul(g, *_outer(hf, -r * b_kg, g)) if erase else g
-            grad_state = grad_state.to(ctx.state_dtype)
-        if ctx.needs_input_grad[1]:
-            coef = beta * residual
-            scale = r * coef + 1.0 if ctx.additive else r * coef
-            h_dot_dk = (hg * coef - hx * b_kg if erase else hg * coef).sum(-1, keepdim=True)
-            grad_h = _mix(g, scale) - hf * (r * r * r * h_dot_dk)
-            if erase:
-                grad_h = grad_h + _mix(at_least_float32(state), -r * b_kg)
-            grad_h = grad_h.to(h.dtype)
-        grad_beta = (r * hg * residual).sum(-1, keepdim=True) if ctx.needs_input_grad[2] else None
-        grad_value = b_kg if ctx.needs_input_grad[3] else None
-        return grad_state, grad_h, grad_beta, grad_value, None, None, None, None
+        grads = _fused_delta_backward(
+            grad_out, state, h, beta, value, r, hx, ctx.additive, erase, ctx.needs_input_grad[:4], ctx.state_dtype
+        )
+        return (*grads, None, None, None, None)
 
 
 def fused_delta_update(
@@ -318,13 +342,12 @@ def fused_delta_update(
         beta = beta.unsqueeze(-1)  # [...] -> [..., 1]
     kernel = _kernel_for("delta_update", state)
     tokens = branch_output.shape[:-1]
-    if (
-        kernel is not None
-        and not (
-            state.dtype == branch_output.dtype == beta.dtype == value.dtype  # kernels take one dtype, no broadcasting
-            and state.shape[: branch_output.dim()] == branch_output.shape
-            and beta.shape[:-1] == value.shape[:-1] == tokens
-        )
+    if kernel is not None and not (
+        # one dtype unless the kernel takes mixed ones (getattr: a kernel of an older copy of this file), no
+        # broadcasting
+        (getattr(kernel, "mixed_dtypes", False) or state.dtype == branch_output.dtype == beta.dtype == value.dtype)
+        and state.shape[: branch_output.dim()] == branch_output.shape
+        and beta.shape[:-1] == value.shape[:-1] == tokens
     ):
         kernel = None
     if torch.is_grad_enabled() and (
