@@ -21,6 +21,8 @@ Sections (each check catches its own exception and is recorded as an error; one 
   DeltaNet training step with them against the torch form (CUDA with fla installed).
 - profile: one eager training step of GPT-2 and of two Delta variants at the 124M shape under torch.profiler: wall
   time beside the device's busy time, kernel launches, and busy time by class (matmul, attention, other).
+- compiled_update: the opt-in compiled Delta update (`ddl_hf.compiled_kernels`) against the tensor ops: a model's
+  logits with it, and the eager training step with it against the tensor ops' and GPT-2's.
 - cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio next to the baseline
   timed against itself (the A/A noise floor): training tokens/s and peak memory at the 124M shape (bf16 autocast,
   eager and `torch.compile`), batch-1 and batch-32 decoding tokens/s (eager, and compiled with the static cache
@@ -857,21 +859,52 @@ def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
     }
 
 
-def profile_section(plan: dict, device: torch.device) -> dict:
-    """GPT-2 and each Delta variant of PROFILE_VARIANTS at the cost shape: one eager bf16 training
-    step's wall time (median of 3, no profiler) beside the device's busy time and kernel launches from one profiled
-    step. Busy well below wall: the host's dispatch sets the pace (more launches cost time even when each is short);
-    busy near wall: the kernels do, and "other" says how much of them is not matmul or attention."""
+@contextlib.contextmanager
+def registered(op: str, kernel: object) -> Iterator[None]:
+    """`kernel` registered for `op` inside the block, the one before it afterwards."""
+    from ddl_hf.delta_ops import register_kernel, registered_kernel
+
+    before = registered_kernel(op)
+    register_kernel(op, kernel)
+    try:
+        yield
+    finally:
+        register_kernel(op, before)
+
+
+def compiled_update(backend: str, device: torch.device) -> object:
+    """`ddl_hf.compiled_kernels`' "delta_update" kernel, compiled with `backend`, applying on `device`'s type."""
+    from ddl_hf.compiled_kernels import compiled_delta_update_kernel
+
+    return compiled_delta_update_kernel(backend=backend, devices=(device.type,))
+
+
+def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
+    """GPT-2, each Delta variant of PROFILE_VARIANTS and the first of them with the compiled update
+    (`ddl_hf.compiled_kernels`, `backend`) at the cost shape: one eager bf16 training step's wall time (median of 3,
+    no profiler) beside the device's busy time and kernel launches from one profiled step. Busy well below wall: the
+    host's dispatch sets the pace (more launches cost time even when each is short); busy near wall: the kernels do,
+    and "other" says how much of them is not matmul or attention."""
     shape = plan["cost"]
     baseline = build_baseline("gpt2", shape).to(device)
     baseline.loss_type = "ForCausalLM"
     ids = random_ids(shape["vocab_size"], shape["batch"], shape["seq"], seed=4).to(device)
     rows = []
-    for name in ("gpt2", *PROFILE_VARIANTS):
-        model = baseline if name == "gpt2" else build_delta(name, baseline).to(device)
+    fused = f"{PROFILE_VARIANTS[0]} +compiled update"
+    for name in ("gpt2", *PROFILE_VARIANTS, fused):
+        variant = PROFILE_VARIANTS[0] if name == fused else name
+        model = baseline if name == "gpt2" else build_delta(variant, baseline).to(device)
         model.loss_type = "ForCausalLM"
         model.train()
-        step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        plain = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        step = plain
+        if name == fused:
+            kernel = compiled_update(backend, device)
+
+            def step(plain=plain, kernel=kernel) -> None:
+                with registered("delta_update", kernel):
+                    plain()
+
         step()
         step()  # AdamW's state exists; caches are warm
         walls = []
@@ -890,30 +923,89 @@ def profile_section(plan: dict, device: torch.device) -> dict:
         )
         model.eval()
         if model is not baseline:
-            del model, step
+            del model, step, plain
             free(device)
     return {"shape": shape, "tokens": ids.numel(), "rows": rows}
+
+
+# --- the compiled update: the Delta write through torch.compile alone (ddl_hf.compiled_kernels) -------------------
+
+
+def compiled_update_section(plan: dict, device: torch.device, backend: str) -> dict:
+    """The opt-in compiled Delta update against the tensor ops, for each of PROFILE_VARIANTS: the model's logits with
+    it (`kernel_model_check` at the check shape: bf16 autocast and float32 bounds), then the eager bf16 training step
+    at the cost shape with it against the same step with the tensor ops (ratio < 1: the compiled update is faster;
+    A/A: the tensor-ops step against itself) and each against GPT-2's step."""
+    cost = plan["cost"]
+    baseline = build_baseline("gpt2", cost).to(device).train()
+    baseline.loss_type = "ForCausalLM"
+    ids = random_ids(cost["vocab_size"], cost["batch"], cost["seq"], seed=4).to(device)
+    base_step = train_step_fn(baseline, ids, torch.optim.AdamW(baseline.parameters(), lr=1e-4))
+    base_step()
+    pairs = plan["train_pairs"]
+    rows = []
+    for variant in PROFILE_VARIANTS:
+        kernel = compiled_update(backend, device)
+        row: dict = {"variant": variant}
+
+        def logits(variant=variant, kernel=kernel) -> dict:
+            model = build_delta(variant, build_baseline("gpt2", plan["check"])).to(device)
+            check_ids = random_ids(model.config.vocab_size, 2, plan["check"]["seq"], seed=2).to(device)
+            return kernel_model_check(model, check_ids, "delta_update", kernel)
+
+        row["model_logits"] = guarded(logits)
+        delta = build_delta(variant, baseline).to(device).train()
+        delta.loss_type = "ForCausalLM"
+        step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
+
+        def fused(step=step, kernel=kernel) -> None:
+            with registered("delta_update", kernel):
+                step()
+
+        def timings(step=step, fused=fused) -> dict:
+            fused()  # compiles: not timed
+            floor = interleaved(step, step, pairs, device)
+            tokens = ids.numel()
+            return {
+                "status": "ok",
+                "update_vs_tensor_ops": {**interleaved(step, fused, pairs, device), "aa_floor": aa_summary(floor)},
+                "tensor_ops_vs_gpt2": throughput(interleaved(base_step, step, pairs, device), floor, tokens),
+                "update_vs_gpt2": throughput(interleaved(base_step, fused, pairs, device), floor, tokens),
+            }
+
+        row["train_step"] = guarded(timings)
+        rows.append(row)
+        del delta, step, fused
+        free(device)
+        print(f"update      {variant:20s} {_statuses(row)}", flush=True)
+    return {"backend": backend, "shape": cost, "check_shape": plan["check"], "train_pairs": pairs, "rows": rows}
 
 
 # --- report ------------------------------------------------------------------------------------------------------
 
 
+def _records(key: str, label: str, record: dict) -> Iterator[tuple[str, str, dict]]:
+    """The checks with a status among `record`'s values, and one level below (a check's float32 twin)."""
+    for name, value in record.items():
+        if isinstance(value, dict) and "status" in value:
+            yield key, f"{label}{name}", value
+            for sub, nested in value.items():
+                if isinstance(nested, dict) and "status" in nested:
+                    yield key, f"{label}{name} {sub}", nested
+
+
 def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
     """(section, label, record) of every check with a status."""
-    for key in ("correctness", "sync", "fla", "profile"):
+    for key in ("correctness", "sync", "fla", "profile", "compiled_update"):
         section = results.get(key) or {}
         if section.get("status") in ("error", "skipped"):
             yield key, "section", section
-        for name, record in section.items():  # a section's own checks beside its rows (fla: the model's logits)
-            if isinstance(record, dict) and "status" in record:
-                yield key, name, record
+        yield from _records(key, "", section)  # a section's own checks beside its rows (fla: the model's logits)
         for row in section.get("rows", []):
-            label = row.get("variant") or row.get("case")
+            label = row.get("variant") or row.get("case") or row.get("model")
             if row.get("status") == "error":
                 yield key, label, row
-            for name, record in row.items():
-                if isinstance(record, dict) and "status" in record:
-                    yield key, f"{label} {name}", record
+            yield from _records(key, f"{label} ", row)
     cost = results.get("cost") or {}
     if cost.get("status") == "error":
         yield "cost", "section", cost
@@ -1125,6 +1217,36 @@ def markdown(results: dict) -> str:
                 ]
                 lines += [f"| `{k['name']}` | {k['kernels']} | {k['ms']:.2f} |" for k in row["top_other"]]
             lines.append("")
+    update = results.get("compiled_update") or {}
+    if update:
+        lines += [
+            "## The Delta update compiled on its own",
+            "",
+            "`ddl_hf.compiled_kernels` (opt-in; backend"
+            f" {update.get('backend', '?')}) against the tensor ops. Logits at the check shape under bf16 autocast"
+            f" ({BF16_BOUND_TEXT} of the tensor ops) and in float32 ({FP32_BOUND_TEXT}); the eager bf16 training step"
+            " at the cost shape: compiled update / tensor ops (< 1: faster; A/A: the tensor-ops step against itself),"
+            " and each against GPT-2's step.",
+            "",
+        ]
+        if update.get("status") in ("skipped", "error"):
+            lines += _not_run(update)
+        else:
+            lines += [
+                "| variant | logits bf16 | logits fp32 | step: compiled / tensor ops | tensor ops / GPT-2 |"
+                " compiled update / GPT-2 |",
+                "|---|---|---|---|---|---|",
+            ]
+            for row in update["rows"]:
+                check, step = row.get("model_logits") or {}, row.get("train_step") or {}
+                cells = [_cell(check), _cell(check.get("fp32"))]
+                if step.get("status") == "ok":
+                    keys = ("update_vs_tensor_ops", "tensor_ops_vs_gpt2", "update_vs_gpt2")
+                    cells += [_ratio_cell(step[key]) for key in keys]
+                else:
+                    cells += [_cell(step), "", ""]
+                lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+            lines.append("")
     fla = results.get("fla") or {}
     if fla:
         lines += [
@@ -1192,24 +1314,35 @@ def fla_rule_errors(device: torch.device, heads: int = 4, d: int = 64) -> list[d
     return rows
 
 
-def fla_model_check(model: PreTrainedModel, ids: torch.Tensor) -> dict:
-    """A DeltaNet model's logits under bf16 autocast with the registered "delta_rule" kernel against the same model
-    in float32 with the torch forms; bound: BF16_FACTOR times the torch forms' own bf16 error (at least bf16's eps),
-    the rule the correctness section applies to every variant. What the rule rows cannot see, the model's own inputs
-    to the kernel (dtypes, layouts, a state carried between chunks), it sees."""
+def kernel_model_check(model: PreTrainedModel, ids: torch.Tensor, op: str, kernel: object) -> dict:
+    """`model`'s logits with `kernel` registered for `op` against the same model in float32 with the tensor ops:
+    under bf16 autocast (bound: BF16_FACTOR times the tensor ops' own bf16 error, at least bf16's eps, the rule the
+    correctness section applies to every variant) and in float32 (`fp32`: the float32 bound of the model's shape).
+    What an op-level comparison cannot see, the model's own inputs to the kernel (dtypes, layouts, a state carried
+    between chunks), these see."""
     from ddl_hf.delta_ops import register_kernel, registered_kernel
 
-    kernel = registered_kernel("delta_rule")
-    register_kernel("delta_rule", None)
+    before = registered_kernel(op)
+    register_kernel(op, None)
     try:
         with exact_fp32():
             reference = logits_of(model, ids)
-        torch_bf16 = rel_err(logits_of(model, ids, bf16=True), reference)
+        tensor_bf16 = rel_err(logits_of(model, ids, bf16=True), reference)
+        register_kernel(op, kernel)
+        error = rel_err(logits_of(model, ids, bf16=True), reference)
+        with exact_fp32():
+            fp32_error = rel_err(logits_of(model, ids), reference)
     finally:
-        register_kernel("delta_rule", kernel)
-    error = rel_err(logits_of(model, ids, bf16=True), reference)
-    bound = BF16_FACTOR * max(torch_bf16, EPS_BF16)
-    return {"status": passed(error <= bound), "error": error, "bound": bound, "torch_error": torch_bf16}
+        register_kernel(op, before)
+    bound = BF16_FACTOR * max(tensor_bf16, EPS_BF16)
+    shape = {"n_layer": model.config.num_hidden_layers, "n_embd": model.config.hidden_size}
+    return {
+        "status": passed(error <= bound),
+        "error": error,
+        "bound": bound,
+        "torch_error": tensor_bf16,
+        "fp32": {"status": passed(fp32_error <= fp32_bound(shape)), "error": fp32_error, "bound": fp32_bound(shape)},
+    }
 
 
 def fla_section(plan: dict, device: torch.device) -> dict:
@@ -1230,7 +1363,7 @@ def fla_section(plan: dict, device: torch.device) -> dict:
     model = DeltaGPTForCausalLM(DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net")).to(device).train()
     model.loss_type = "ForCausalLM"
     ids = random_ids(model.config.vocab_size, plan["cost"]["batch"], plan["cost"]["seq"], seed=5).to(device)
-    section["model_logits"] = guarded(lambda: fla_model_check(model, ids[:2]))
+    section["model_logits"] = guarded(lambda: kernel_model_check(model, ids[:2], "delta_rule", kernel))
     step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
     def torch_step() -> None:
@@ -1270,7 +1403,14 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-SECTIONS = ("correctness", "sync", "fla", "profile", "cost")  # cost last: its budget guard drops what is left
+SECTIONS = (
+    "correctness",
+    "sync",
+    "fla",
+    "profile",
+    "compiled_update",
+    "cost",
+)  # cost last: its budget guard drops what is left
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1323,7 +1463,9 @@ def main(argv: list[str] | None = None) -> dict:
         elif name == "fla":
             run = lambda: fla_section(plan, device)  # noqa: E731
         elif name == "profile":
-            run = lambda: profile_section(plan, device)  # noqa: E731
+            run = lambda: profile_section(plan, device, backend)  # noqa: E731
+        elif name == "compiled_update":
+            run = lambda: compiled_update_section(plan, device, backend)  # noqa: E731
         else:
             run = lambda: cost_section(  # noqa: E731
                 plan, device, backend, (args.variants, compiled), start, args.budget_s, save

@@ -108,7 +108,8 @@ def test_the_profile_splits_each_steps_kernels_and_the_delta_models_launch_more(
     add operators: a profile that missed them would show the same count)."""
     results, md = run
     rows = results["profile"]["rows"]
-    assert [row["model"] for row in rows] == ["gpt2", *gpu_check.PROFILE_VARIANTS]
+    fused = f"{gpu_check.PROFILE_VARIANTS[0]} +compiled update"
+    assert [row["model"] for row in rows] == ["gpt2", *gpu_check.PROFILE_VARIANTS, fused]
     for row in rows:
         classes = row["by_class"].values()
         assert row["kernels"] == sum(c["kernels"] for c in classes) > 0
@@ -120,6 +121,20 @@ def test_the_profile_splits_each_steps_kernels_and_the_delta_models_launch_more(
     for row in rows[1:]:
         assert row["kernels"] > rows[0]["kernels"], row["model"]
     assert "## Where a training step's time goes" in md and "| additive-dv1 |" in md
+
+
+def test_the_compiled_update_is_checked_against_the_tensor_ops_and_timed_against_them_and_gpt2(run):
+    results, md = run
+    section = results["compiled_update"]
+    assert [row["variant"] for row in section["rows"]] == list(gpu_check.PROFILE_VARIANTS)
+    for row in section["rows"]:
+        check = row["model_logits"]
+        assert check["status"] == "pass" and check["fp32"]["status"] == "pass", row
+        assert check["error"] <= check["bound"] and check["fp32"]["error"] <= check["fp32"]["bound"]
+        step = row["train_step"]
+        for key in ("update_vs_tensor_ops", "tensor_ops_vs_gpt2", "update_vs_gpt2"):
+            assert step[key]["ratio"] > 0 and step[key]["aa_floor"]["ratio"] > 0, key
+    assert "## The Delta update compiled on its own" in md and "| additive-dv1 | pass" in md
 
 
 def test_memory_rows_keep_the_allocators_readings_beside_the_ratio(run):
@@ -147,8 +162,9 @@ def test_budget_guard_skips_the_rows_past_the_budget():
     assert all(row["status"] == "skipped" and "time budget" in row["reason"] for row in section["rows"])
 
 
-def test_the_fla_model_check_compares_the_kernels_logits_with_float32_torch():
-    """The model-level fla check on the CPU with stand-in kernels registered for CPU tensors: the torch chunkwise form
+def test_the_kernel_model_check_compares_the_kernels_logits_with_float32_torch():
+    """The model-level kernel check (fla's section, the compiled update's) on the CPU with stand-in delta-rule kernels
+    for CPU tensors: the torch chunkwise form
     passes (its own error is the bound's base), one whose outputs come a token late fails, and the kernel is what the
     model ran."""
     from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
@@ -169,12 +185,14 @@ def test_the_fla_model_check_compares_the_kernels_logits_with_float32_torch():
 
     before = registered_kernel("delta_rule")
     try:
-        register_kernel("delta_rule", DeltaKernel(chunkwise, None, lambda x: True))
-        record = gpu_check.fla_model_check(model, ids)
+        record = gpu_check.kernel_model_check(model, ids, "delta_rule", DeltaKernel(chunkwise, None, lambda x: True))
         assert record["status"] == "pass" and 0 < record["torch_error"] <= record["bound"], record
-        assert calls and len(calls) == model.config.n_layer  # the bf16 forward with the kernel, one call per layer
-        register_kernel("delta_rule", DeltaKernel(lambda *a: chunkwise(*a, shift=1), None, lambda x: True))
-        assert gpu_check.fla_model_check(model, ids)["status"] == "fail"
+        assert record["fp32"]["status"] == "pass", record
+        assert len(calls) == 2 * model.config.n_layer  # bf16 and float32 forwards with the kernel, a call per layer
+        assert registered_kernel("delta_rule") is before  # put back
+        late = DeltaKernel(lambda *a: chunkwise(*a, shift=1), None, lambda x: True)
+        record = gpu_check.kernel_model_check(model, ids, "delta_rule", late)
+        assert record["status"] == "fail" and record["fp32"]["status"] == "fail"
     finally:
         register_kernel("delta_rule", before)
 

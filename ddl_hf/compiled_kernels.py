@@ -1,0 +1,84 @@
+"""The Delta update compiled by `torch.compile`, for eager training on GPUs (opt-in: `enable_compiled_delta_update()`).
+
+An eager Delta residual's write runs as a dozen small tensor ops forward and as many backward (`delta_ops`'
+`_fused_delta_forward` and `_fused_delta_backward`), each its own kernel launch and its own pass over the state. On
+the first H200 run (docs/performance.md) the Delta models' eager training step cost 1.45-2.3x GPT-2's, against
+1.02-1.07x on a CPU. Compiling the whole model fuses them (`torch_compile=True`); this backend compiles only the
+update, the same two functions, so that a model that runs eagerly (peft, a custom loop, generation) gets inductor's
+fused kernels for it. Nothing is hand-written: the math stays in `delta_ops`, and inductor generates the kernels.
+
+It registers as the "delta_update" kernel (`delta_ops.register_kernel`), from outside the model files, and runs where
+it applies: tensors on the chosen devices (CUDA by default), outside `torch.compile` (a compiled model fuses the
+update itself), including the mixed dtypes of autocast (a float32 state beside a bf16 h). Off by default until a GPU
+run measures it (`checks/gpu_check.py` times it against GPT-2 and against the tensor ops).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .delta_ops import (
+    DeltaKernel,
+    _fused_delta_backward,
+    _fused_delta_forward,
+    register_kernel,
+    registered_kernel,
+)
+
+
+def _forward(state, h, beta, value, eps, additive, erase):
+    """The kernel layout's forward (`DeltaKernel`): state `[N, D, d_v]`, h `[N, D]`, beta `[N]`, value `[N, d_v]`."""
+    return _fused_delta_forward(state, h, beta.unsqueeze(-1), value, eps, additive, erase)
+
+
+def _backward(grad, state, h, beta, value, r, hx, additive, erase, needs, state_dtype):
+    d_state, d_h, d_beta, d_value = _fused_delta_backward(
+        grad, state, h, beta.unsqueeze(-1), value, r, hx, additive, erase, needs, state_dtype
+    )
+    return d_state, d_h, None if d_beta is None else d_beta.squeeze(-1), d_value
+
+
+def compiled_delta_update_kernel(
+    backend: str = "inductor", devices: Sequence[str] = ("cuda",), **compile_options
+) -> DeltaKernel:
+    """The "delta_update" kernel: `delta_ops`' forward and backward of the Delta write, each `torch.compile`d once
+    (`dynamic=True`: one graph for every batch and sequence length) with `backend` and `compile_options`, applying to
+    tensors on `devices` outside a compiled region."""
+    compile_fn = functools.partial(torch.compile, backend=backend, dynamic=True, **compile_options)
+    forward, backward = compile_fn(_forward), compile_fn(_backward)
+    device_types = frozenset(devices)
+
+    def kernel_backward(grad, state, h, beta, value, r, hx, eps, additive, erase, needs):
+        dtype = grad.dtype if state is None else state.dtype  # the state's dtype is its gradient's
+        return backward(grad, state, h, beta, value, r, hx, additive, erase, tuple(needs), dtype)
+
+    def applies(x: torch.Tensor) -> bool:
+        return x.device.type in device_types and not torch.compiler.is_compiling()
+
+    return DeltaKernel(forward, kernel_backward, applies, mixed_dtypes=True)
+
+
+_replaced: list[DeltaKernel | None] = []
+
+
+def enable_compiled_delta_update(
+    backend: str = "inductor", devices: Sequence[str] = ("cuda",), **compile_options
+) -> Callable[[], None]:
+    """Run every Delta residual's write through `compiled_delta_update_kernel` (process-wide, as `register_kernel`).
+    Returns a function that puts back the kernel it replaced (the native CPU kernel, say); so does
+    `disable_compiled_delta_update()`."""
+    _replaced.append(registered_kernel("delta_update"))
+    register_kernel("delta_update", compiled_delta_update_kernel(backend, devices, **compile_options))
+    return disable_compiled_delta_update
+
+
+def disable_compiled_delta_update() -> None:
+    """Back to the kernel registered before `enable_compiled_delta_update` (or the tensor ops)."""
+    if _replaced:
+        register_kernel("delta_update", _replaced.pop())
+
+
+__all__ = ["compiled_delta_update_kernel", "disable_compiled_delta_update", "enable_compiled_delta_update"]
