@@ -30,14 +30,25 @@ from .delta_ops import (
 
 
 def _forward(state, h, beta, value, eps, additive, erase):
-    """The kernel layout's forward (`DeltaKernel`): state `[N, D, d_v]`, h `[N, D]`, beta `[N]`, value `[N, d_v]`."""
-    return _fused_delta_forward(state, h, beta.unsqueeze(-1), value, eps, additive, erase)
+    """The kernel layout's forward (`DeltaKernel`): state `[N, D, d_v]`, h `[N, D]`, beta `[N]`, value `[N, d_v]`.
+    d_v = 1 takes the vector form (products and sums over D, no batched matrix product for inductor to hand to a
+    library); the size-1 dim is static under `dynamic=True`, so each form is its own graph."""
+    vector = state.shape[-1] == 1
+    out, r, hx = _fused_delta_forward(
+        state.squeeze(-1) if vector else state, h, beta.unsqueeze(-1), value, eps, additive, erase
+    )
+    return out.unsqueeze(-1) if vector else out, r, hx
 
 
 def _backward(grad, state, h, beta, value, r, hx, additive, erase, needs, state_dtype):
+    vector = grad.shape[-1] == 1
+    if vector:
+        grad, state = grad.squeeze(-1), None if state is None else state.squeeze(-1)
     d_state, d_h, d_beta, d_value = _fused_delta_backward(
         grad, state, h, beta.unsqueeze(-1), value, r, hx, additive, erase, needs, state_dtype
     )
+    if vector and d_state is not None:
+        d_state = d_state.unsqueeze(-1)
     return d_state, d_h, None if d_beta is None else d_beta.squeeze(-1), d_value
 
 
