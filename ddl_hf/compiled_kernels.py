@@ -55,16 +55,26 @@ def _backward(grad, state, h, beta, value, r, hx, additive, erase, needs, state_
 def compiled_delta_update_kernel(
     backend: str = "inductor", devices: Sequence[str] = ("cuda",), **compile_options
 ) -> DeltaKernel:
-    """The "delta_update" kernel: `delta_ops`' forward and backward of the Delta write, each `torch.compile`d once
-    (`dynamic=True`: one graph for every batch and sequence length) with `backend` and `compile_options`, applying to
-    tensors on `devices` outside a compiled region."""
+    """The "delta_update" kernel: `delta_ops`' forward and backward of the Delta write, each `torch.compile`d (with
+    `backend` and `compile_options`), applying to tensors on `devices` outside a compiled region.
+
+    `dynamic=True`: the number of tokens is symbolic, so one graph serves every batch and sequence length of a model
+    (a single token, batch-1 decoding, is a graph of its own). Each other case is a graph of its own too: d_v = 1 or
+    more, the mode, erase, the dtypes. A model uses a few; dynamo keeps at most `torch._dynamo.config.recompile_limit`
+    (8) per function and process, and past that warns and runs the tensor ops."""
     compile_fn = functools.partial(torch.compile, backend=backend, dynamic=True, **compile_options)
-    forward, backward = compile_fn(_forward), compile_fn(_backward)
+    compiled_forward, compiled_backward = compile_fn(_forward), compile_fn(_backward)
     device_types = frozenset(devices)
 
+    # Detached: the autograd node hands over its inputs, which may require grad, and dynamo would keep a graph for
+    # each combination of those flags (the node's backward computes every gradient itself).
+    def forward(state, h, beta, value, eps, additive, erase):
+        return compiled_forward(state.detach(), h.detach(), beta.detach(), value.detach(), eps, additive, erase)
+
     def kernel_backward(grad, state, h, beta, value, r, hx, eps, additive, erase, needs):
-        dtype = grad.dtype if state is None else state.dtype  # the state's dtype is its gradient's
-        return backward(grad, state, h, beta, value, r, hx, additive, erase, tuple(needs), dtype)
+        # Without erase the state is not saved; its gradient is then in grad's dtype and `delta_ops` casts it.
+        dtype = grad.dtype if state is None else state.dtype
+        return compiled_backward(grad, state, h, beta, value, r, hx, additive, erase, tuple(needs), dtype)
 
     def applies(x: torch.Tensor) -> bool:
         return x.device.type in device_types and not torch.compiler.is_compiling()
