@@ -312,11 +312,9 @@ class _FusedDeltaUpdate(torch.autograd.Function):
             grads = ctx.kernel.backward(
                 grad_flat, x_flat, h_flat, beta_flat, value_flat, r, hx, ctx.eps, ctx.additive, erase, needs
             )
-            shaped = [
+            shaped = (
                 g.view(like.shape) if need else None for g, like, need in zip(grads, (grad_out, h, beta, value), needs)
-            ]
-            if shaped[0] is not None:  # a mixed-dtype kernel that was not given X returns it in grad's dtype
-                shaped[0] = shaped[0].to(ctx.state_dtype)
+            )
             return (*shaped, None, None, None, None)
         grads = _fused_delta_backward(
             grad_out, state, h, beta, value, r, hx, ctx.additive, erase, ctx.needs_input_grad[:4], ctx.state_dtype

@@ -873,22 +873,30 @@ def registered(op: str, kernel: object) -> Iterator[None]:
 
 
 def compiled_update(backend: str, device: torch.device) -> object:
-    """`ddl_hf.compiled_kernels`' "delta_update" kernel, compiled with `backend`, applying on `device`'s type. Its
-    graphs start afresh, and past dynamo's recompile limit it raises instead of quietly running the tensor ops (the
-    comparisons would then time the tensor ops against themselves)."""
+    """`ddl_hf.compiled_kernels`' "delta_update" kernel, compiled with `backend`, applying on `device`'s type; its
+    graphs start afresh."""
     from ddl_hf.compiled_kernels import compiled_delta_update_kernel
 
     torch._dynamo.reset()
-    kernel = compiled_delta_update_kernel(backend=backend, devices=(device.type,))
+    return compiled_delta_update_kernel(backend=backend, devices=(device.type,))
 
-    def strict(fn: Callable) -> Callable:
-        def run(*args):
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                return fn(*args)
 
-        return run
+@contextlib.contextmanager
+def strict_recompiles() -> Iterator[None]:
+    """Past dynamo's recompile limit, raise instead of quietly running the tensor ops (a comparison would then time
+    or check the tensor ops against themselves)."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
 
-    return kernel._replace(forward=strict(kernel.forward), backward=strict(kernel.backward))
+
+def with_compiled_update(step: Callable[[], None], kernel: object) -> Callable[[], None]:
+    """`step` with `kernel` registered for "delta_update", strictly (`strict_recompiles`)."""
+
+    def run() -> None:
+        with registered("delta_update", kernel), strict_recompiles():
+            step()
+
+    return run
 
 
 def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
@@ -908,15 +916,9 @@ def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
         model = baseline if name == "gpt2" else build_delta(variant, baseline).to(device)
         model.loss_type = "ForCausalLM"
         model.train()
-        plain = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        step = plain
+        step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
         if name == fused:
-            kernel = compiled_update(backend, device)
-
-            def step(plain=plain, kernel=kernel) -> None:
-                with registered("delta_update", kernel):
-                    plain()
-
+            step = with_compiled_update(step, compiled_update(backend, device))
         step()
         step()  # AdamW's state exists; caches are warm
         walls = []
@@ -935,7 +937,7 @@ def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
         )
         model.eval()
         if model is not baseline:
-            del model, step, plain
+            del model, step
             free(device)
     return {"shape": shape, "tokens": ids.numel(), "rows": rows}
 
@@ -963,16 +965,14 @@ def compiled_update_section(plan: dict, device: torch.device, backend: str) -> d
         def logits(variant=variant, kernel=kernel) -> dict:
             model = build_delta(variant, build_baseline("gpt2", plan["check"])).to(device)
             check_ids = random_ids(model.config.vocab_size, 2, plan["check"]["seq"], seed=2).to(device)
-            return kernel_model_check(model, check_ids, "delta_update", kernel)
+            with strict_recompiles():
+                return kernel_model_check(model, check_ids, "delta_update", kernel)
 
         row["model_logits"] = guarded(logits)
         delta = build_delta(variant, baseline).to(device).train()
         delta.loss_type = "ForCausalLM"
         step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
-
-        def fused(step=step, kernel=kernel) -> None:
-            with registered("delta_update", kernel):
-                step()
+        fused = with_compiled_update(step, kernel)
 
         def timings(step=step, fused=fused) -> dict:
             fused()  # compiles: not timed
@@ -1069,6 +1069,14 @@ def _ratio_cell(record: dict | None) -> str:
     return f"{record['ratio']:.3f} (A/A {floor.get('ratio', float('nan')):.3f} {spread})".replace(" )", ")")
 
 
+def _heading(title: str, intro: str, section: dict) -> tuple[list[str], bool]:
+    """A section's title and intro, and whether it ran; where it did not, the line that says why."""
+    lines = [f"## {title}", "", intro, ""]
+    if section.get("status") in ("skipped", "error"):
+        return lines + _not_run(section), False
+    return lines, True
+
+
 def _not_run(section: dict) -> list[str]:
     """The line that says why a section did not run (skipped, or the error that stopped it)."""
     return [f"{section['status'].capitalize()}: {section.get('reason') or section.get('error')}.", ""]
@@ -1118,17 +1126,15 @@ def markdown(results: dict) -> str:
         lines.append("")
     sync = results.get("sync") or {}
     if sync:
-        lines += [
-            "## No synchronisation",
-            "",
+        heading, ran = _heading(
+            "No synchronisation",
             "A training step (bf16 autocast forward with labels, backward) and a cached decoding step (no mask) under"
             ' `torch.cuda.set_sync_debug_mode("error")`, after one warm-up call each; GPT2LMHeadModel and'
             " LlamaForCausalLM of the same shape are the controls.",
-            "",
-        ]
-        if sync.get("status") in ("skipped", "error"):
-            lines += _not_run(sync)
-        else:
+            sync,
+        )
+        lines += heading
+        if ran:
             lines += ["| model | train step | decode step |", "|---|---|---|"]
             for row in sync["rows"]:
                 cells = [
@@ -1197,19 +1203,17 @@ def markdown(results: dict) -> str:
         lines.append("")
     prof = results.get("profile") or {}
     if prof:
-        lines += [
-            "## Where a training step's time goes",
-            "",
+        heading, ran = _heading(
+            "Where a training step's time goes",
             "One eager training step (bf16 autocast, AdamW) of GPT-2 and of Delta variants at the cost shape: wall time"
             " (median of 3, no profiler) beside the device's busy time and its kernel launches in one profiled step,"
             " split into matmul, attention and other kernels (by kernel name; memcpy and memset count as other). On the"
-            " CPU the 'kernels' are the aten"
-            " operators that call no other. Busy well below wall: the host's dispatch sets the pace.",
-            "",
-        ]
-        if prof.get("status") in ("skipped", "error"):
-            lines += _not_run(prof)
-        else:
+            " CPU a stand-in: the matmul and attention operators and the aten operators that call no other. Busy well"
+            " below wall: the host's dispatch sets the pace.",
+            prof,
+        )
+        lines += heading
+        if ran:
             lines += [
                 "| model | wall ms | busy ms | kernels | matmul ms | attention ms | other ms (kernels) |",
                 "|---|---|---|---|---|---|---|",
@@ -1233,19 +1237,17 @@ def markdown(results: dict) -> str:
             lines.append("")
     update = results.get("compiled_update") or {}
     if update:
-        lines += [
-            "## The Delta update compiled on its own",
-            "",
+        heading, ran = _heading(
+            "The Delta update compiled on its own",
             "`ddl_hf.compiled_kernels` (opt-in; backend"
             f" {update.get('backend', '?')}) against the tensor ops. Logits at the check shape under bf16 autocast"
             f" ({BF16_BOUND_TEXT} of the tensor ops) and in float32 ({FP32_BOUND_TEXT}); the eager bf16 training step"
             " at the cost shape: compiled update / tensor ops (< 1: faster; A/A: the tensor-ops step against itself),"
             " and each against GPT-2's step (A/A: GPT-2's against itself).",
-            "",
-        ]
-        if update.get("status") in ("skipped", "error"):
-            lines += _not_run(update)
-        else:
+            update,
+        )
+        lines += heading
+        if ran:
             lines += [
                 "| variant | logits bf16 | logits fp32 | step: compiled / tensor ops | tensor ops / GPT-2 |"
                 " compiled update / GPT-2 |",
@@ -1263,21 +1265,21 @@ def markdown(results: dict) -> str:
             lines.append("")
     fla = results.get("fla") or {}
     if fla:
-        lines += [
-            "## DeltaNet through fla's kernels",
-            "",
+        heading, ran = _heading(
+            "DeltaNet through fla's kernels",
             "The registered delta-rule kernel (fla's chunk form for bf16 and T > 1, fused_recurrent otherwise) against"
             " `delta_rule_recurrent` in float64 on the device (relative error of output and final state; bound: 8 times"
             " our torch form's error on the same inputs), then a"
             " DeltaNet DeltaGPT's bf16 training step with fla against the same step in torch (ratio < 1: fla faster).",
-            "",
-        ]
-        if fla.get("status") in ("skipped", "error"):
-            lines += _not_run(fla)
-        else:
+            fla,
+        )
+        lines += heading
+        if ran:
             lines += ["| case | rule vs float64 recurrent |", "|---|---|"]
             lines += [f"| {row['case']} | {_cell(row['check'])} |" for row in fla["rows"]]
-            lines += [f"| DeltaNet model, bf16 autocast logits vs float32 | {_cell(fla.get('model_logits'))} |"]
+            model = fla.get("model_logits") or {}
+            lines += [f"| DeltaNet model's logits vs float32 torch: bf16 autocast | {_cell(model)} |"]
+            lines += [f"| DeltaNet model's logits vs float32 torch: float32 | {_cell(model.get('fp32'))} |"]
             lines += ["", f"Training step, fla / torch: {_ratio_cell(fla.get('train_step_fla_vs_torch'))}", ""]
     failures = results["summary"]["failures"]
     lines += ["## Failures", ""]

@@ -72,7 +72,8 @@ def compiled_delta_update_kernel(
         return compiled_forward(state.detach(), h.detach(), beta.detach(), value.detach(), eps, additive, erase)
 
     def kernel_backward(grad, state, h, beta, value, r, hx, eps, additive, erase, needs):
-        # Without erase the state is not saved; its gradient is then in grad's dtype and `delta_ops` casts it.
+        # Without erase the state is not saved: its gradient comes in grad's dtype, and autograd casts it to the
+        # state's, as it does every gradient to its input's dtype.
         dtype = grad.dtype if state is None else state.dtype
         return compiled_backward(grad, state, h, beta, value, r, hx, additive, erase, tuple(needs), dtype)
 
