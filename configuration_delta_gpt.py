@@ -30,6 +30,10 @@ DELTA_VALUES = ("linear", "constant", "sigmoid")
 # random gate around delta_beta_init, default 1, and averaging convolutions). None (auto) = "exact" for parameters a
 # loaded checkpoint lacks, "reference" for a model built from its config. `DeltaGPTConfig`'s docstring has each case.
 DELTA_INITS = ("exact", "reference")
+# Which kernels run a model's Delta residuals, reads and DeltaNet rule, as `attn_implementation` chooses attention:
+# "auto" (Triton's on CUDA where Triton imports, the tensor ops elsewhere), "eager" (the tensor ops), "triton",
+# "native" (the CPU kernels). Chosen per model, not saved (`DeltaResidualConfigMixin.to_dict`).
+DELTA_IMPLEMENTATIONS = ("auto", "eager", "triton", "native")
 # The authors' model files that `reference(variant=...)` reproduces (docs/variants.md).
 REFERENCE_VARIANTS = ("dv1", "tc", "tc_ec", "cc", "cc_ec")
 REFERENCE_READS = {"tc": "temporal_conv", "cc": "channel_conv"}
@@ -114,6 +118,7 @@ DELTA_FIELD_RULES = (
     FieldRule(
         "delta_erase", "bool", expected="expected True (erase and write) or False (write-only: X' = X + beta k v^T)"
     ),
+    FieldRule("delta_implementation", "choice", DELTA_IMPLEMENTATIONS),
 )
 # DeltaGPTConfig's token mixer fields; `validate_token_mixer` adds the head size check.
 TOKEN_MIXER_FIELD_RULES = (
@@ -159,6 +164,7 @@ class DeltaResidualConfigMixin:
     delta_gate: str = "linear"
     delta_gate_hidden_size: int = 64
     delta_eps: float = 1e-6
+    delta_implementation: str = "auto"
 
     @classmethod
     def reference(cls, variant: str = "tc", value_channels: int | None = None, **kwargs: Any) -> Any:
@@ -224,6 +230,12 @@ class DeltaResidualConfigMixin:
                 fail("delta_conv_size", f"expected <= delta_value_channels={channels} for 'channel_conv'")
         if self.delta_embed_expand == "conv" and channels < 2:
             fail("delta_embed_expand", "'conv' fills the value channels: needs delta_value_channels > 1")
+
+    def drop_runtime_fields(self, d: dict[str, Any]) -> dict[str, Any]:
+        """`d` (a `to_dict`) without `delta_implementation`: how this process runs the model, not what the model is,
+        so not saved, as transformers does not save `attn_implementation`."""
+        d.pop("delta_implementation", None)
+        return d
 
     @property
     def delta_temporal(self) -> bool:
@@ -302,6 +314,14 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
             Hidden width of the `"mlp"` gate.
         delta_eps (`float`, defaults to 1e-6):
             epsilon of the direction normalisation `k = h / sqrt(|h|^2 + eps^2)`.
+        delta_implementation (`str`, defaults to `"auto"`):
+            Which kernels run the Delta residuals, the TC reads and DeltaNet's rule, chosen per model as
+            `attn_implementation` chooses attention (also `from_pretrained(..., delta_implementation=...)` and
+            `model.set_delta_implementation(...)`; not saved): `"eager"` the tensor ops (the readable reference);
+            `"triton"` one Triton op per Delta residual, forward and backward (CUDA; CPU tensors under Triton's
+            interpreter, `TRITON_INTERPRET=1`), and fla's delta rule; `"native"` the CPU kernels of `ddl_hf.native`;
+            `"auto"` Triton's on CUDA where Triton imports, the tensor ops elsewhere. Kernels other than the tensor
+            ops come from the `ddl_hf` package: a saved directory loaded without it runs `"auto"` as `"eager"`.
         token_mixer (`str`, defaults to `"attention"`):
             The sublayer inside each attention Delta residual: `"attention"` (GPT-2's softmax attention) or
             `"delta_net"` (DeltaNet: the delta rule over time, `S_t = S_{t-1}(I - beta k k^T) + beta v k^T`,
@@ -352,6 +372,9 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
     def validate(self) -> None:
         super().validate()
         self.validate_delta()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.drop_runtime_fields(super().to_dict())
 
     def validate_delta(self) -> None:
         """Raise a ValueError naming the field, the value and what is allowed."""

@@ -10,6 +10,8 @@ Self-contained Hub custom-code file: it imports only transformers and its siblin
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import LlamaConfig, MistralConfig, PreTrainedConfig, Qwen2Config, Qwen3Config
 
 from .configuration_delta_gpt import DeltaResidualConfigMixin, FieldRule
@@ -90,6 +92,9 @@ class DeltaLlamaConfig(PreTrainedConfig, DeltaResidualConfigMixin):
     def validate(self) -> None:
         super().validate()
         self.validate_delta_residual()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.drop_runtime_fields(super().to_dict())
 
     @classmethod
     def _reference_backbone(cls, overrides: dict) -> dict:

@@ -33,8 +33,8 @@ from .delta_ops import (
     ResidualWeights,
     at_least_float32,
     delta_gate,
+    delta_kernels,
     fused_delta_update,
-    residual_step,
     straight_through_clamp,
 )
 
@@ -63,6 +63,7 @@ class DeltaResidual(nn.Module):
 
     def __init__(self, config: PreTrainedConfig):
         super().__init__()
+        self.config = config  # its `delta_implementation` names the kernels, read at each call as attention's
         hidden_size = config.hidden_size
         self.additive = config.delta_mode == "additive"
         self.eps = config.delta_eps
@@ -89,8 +90,11 @@ class DeltaResidual(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2.5 after the sublayer: the state X, its read x, the sublayer's input c = norm(x) and output h = F(c).
         Returns the new state and beta `[...]`."""
-        if not torch.is_grad_enabled():  # inference: a kernel registered from outside may take the whole step
-            step = residual_step(state, x, c, h, self.step_weights())
+        kernels = delta_kernels(self.config.delta_implementation, state)
+        whole = kernels.residual or (None if torch.is_grad_enabled() else kernels.residual_step)
+        weights = None if whole is None else self.step_weights()
+        if weights is not None:  # the model's kernel takes the whole residual: one op
+            step = whole(state, x, c, h, weights)
             if step is not None:
                 return step
         with autocast_off(state.device.type):  # beta, k, v and the update in float32 under fp16 / bf16 autocast
@@ -104,15 +108,16 @@ class DeltaResidual(nn.Module):
                 value = at_least_float32(self.v_proj(c.to(dtype)))
             else:
                 value = torch.sigmoid(at_least_float32(self.v_proj(x.to(dtype)))) * self.value_scale
-            state = fused_delta_update(state, h, beta, value, self.eps, self.additive, self.erase)
+            state = fused_delta_update(state, h, beta, value, self.eps, self.additive, self.erase, kernels.delta_update)
         # beta `[...]` as a tensor of its own, not a view of `[..., 1]` (a sum over one element: exact): FSDP2 warns
         # about views among a sharded block's outputs.
         return state, beta.sum(-1)
 
     def step_weights(self) -> ResidualWeights | None:
-        """This residual's weights as the "residual_step" op takes them, or None where a kernel must not take its
-        place: a gate or value that is not one plain `nn.Linear` (the MLP gate, a quantized or LoRA-wrapped layer), or
-        one with hooks that a fused call would skip (accelerate's offload hooks replace `forward`)."""
+        """This residual's weights as a whole-residual kernel takes them (`DeltaKernels.residual`), or None where a
+        kernel must not take its place: a gate or value that is not one plain `nn.Linear` (the MLP gate, a quantized
+        or LoRA-wrapped layer), or one with hooks that a fused call would skip (accelerate's offload hooks replace
+        `forward`)."""
         gate, value = self.beta_proj, self.v_proj
         if not _plain_linear(gate) or (value is not None and not _plain_linear(value)):
             return None

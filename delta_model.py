@@ -44,6 +44,7 @@ from .delta_layers import (
     resolve_delta_init,
 )
 from .delta_net import NO_CACHE_ROLLBACK, DeltaNetCache, require_delta_net_cache
+from .delta_ops import prepare_delta_kernels
 from .delta_reads import (
     DeltaConvContext,
     DeltaEmbedExpand,
@@ -380,7 +381,16 @@ class DeltaPreTrainedMixin:
             # that read the flag skip it up front (the refusal in `_prepare_cache_for_generation` stays).
             self._can_compile_fullgraph = False
 
+    def set_delta_implementation(self, implementation: str) -> None:
+        """Run this model's Delta residuals, reads and DeltaNet rule with `implementation` ("auto", "eager",
+        "triton", "native"; `DeltaGPTConfig.delta_implementation`), as `set_attn_implementation` chooses attention:
+        one that cannot run here, or not on this model's device, is a clear error now, not at the first forward."""
+        prepare_delta_kernels(implementation, self.device.type)
+        self.config.delta_implementation = implementation
+
     def post_init(self) -> None:
+        # Not the device: a model is often built on the CPU (or meta) and moved.
+        prepare_delta_kernels(self.config.delta_implementation)
         names = [name for name, _ in self.named_modules()]
         self._keep_in_fp32_modules = [
             entry

@@ -20,7 +20,7 @@ from .delta_compat import takes_cache
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from .delta_layers import autocast_off
-from .delta_ops import delta_rule
+from .delta_ops import delta_kernels, delta_rule
 from .delta_reads import DeltaWindowsMixin
 
 
@@ -154,6 +154,7 @@ class DeltaNetAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
+        self.config = config  # its `delta_implementation` names the delta rule's kernel (fla's on CUDA)
         hidden_size = config.hidden_size
         self.layer_idx = layer_idx
         self.num_heads = config.delta_net_heads or config.num_attention_heads
@@ -218,6 +219,7 @@ class DeltaNetAttention(nn.Module):
                 erase=self.erase,
                 document_starts=document_starts,
                 cu_seqlens=kwargs.get("cu_seq_lens_q") if document_starts is not None else None,
+                kernel=delta_kernels(self.config.delta_implementation, v).delta_rule,
             )
         if cache is not None:
             cache.update_recurrent_state(state.detach(), self.layer_idx, num_new_tokens=seq_len)

@@ -12,19 +12,20 @@ beside it (as fla keeps `naive.py` beside its kernels; the tests compare the two
 | CC read (channel conv, then the read vector) | `channel_conv_read` | `channel_conv(X, W) @ r` |
 | EC expansion of the embedding | `temporal_conv` | itself |
 | DeltaNet rule over time | `delta_rule` (a kernel, or `delta_rule_chunkwise`) | `delta_rule_recurrent` |
-| a residual's gate, value and write, inference | `residual_step` (a kernel or None) | `DeltaResidual`'s tensor ops |
+| a whole residual: gate, value and write | `DeltaKernels.residual` (a kernel) | `DeltaResidual`'s tensor ops |
 
-Optional kernels (the native CPU kernels of `ddl_hf.native`, any later GPU kernel) register with an entry point
-through `register_kernel`; the entry point runs a registered kernel where its `applies` says so and its own tensor
-ops elsewhere. The model code never sees a kernel.
+Optional kernels are chosen per model, as transformers chooses attention: `config.delta_implementation` ("auto",
+"eager", "triton", "native") names them, `delta_kernels` loads them from the `ddl_hf` package (Triton's on CUDA, the
+native CPU kernels of `ddl_hf.native`, fla's delta rule), and a layer hands its entry point the kernel, which runs
+where its `applies` says so; the tensor ops run everywhere else. No kernel is registered process-wide.
 
 Self-contained Hub custom-code file: it imports only torch and, for torch's `scan` op, its sibling `delta_compat.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
-import types
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -35,74 +36,120 @@ from torch import nn
 from .delta_compat import DELTA_NET_DYNAMIC_EXPORT, scan
 
 # ----------------------------------------------------------------------------------------------------------------
-# Optional kernels: one registry, keyed by op.
+# Optional kernels, chosen per model (`config.delta_implementation`), as transformers chooses attention.
 # ----------------------------------------------------------------------------------------------------------------
+
+DELTA_IMPLEMENTATIONS = ("auto", "eager", "triton", "native")
 
 
 class DeltaKernel(NamedTuple):
-    """A backend's implementation of one op: its forward, its backward and where it applies.
+    """A backend's implementation of one op with a hand-written backward: its forward, its backward and where it
+    applies.
 
-    - `"delta_update"`: `forward(state [N, D, d_v], h [N, D], beta [N], value [N, d_v], eps, additive, erase) ->
+    - `delta_update`: `forward(state [N, D, d_v], h [N, D], beta [N], value [N, d_v], eps, additive, erase) ->
       (new_state, r [N, 1], h^T X [N, d_v] or None)` and `backward(grad, state, h, beta, value, r, hx, eps, additive,
       erase, needs_input_grad[4]) -> (d_state, d_h, d_beta, d_value)`, as `_fused_delta_forward` and
       `_FusedDeltaUpdate.backward` define them.
-    - `"tc_read"`: `forward(x, weight, past, same_document) -> read` and `backward(grad, x, weight, past,
+    - `tc_read`: `forward(x, weight, past, same_document) -> read` and `backward(grad, x, weight, past,
       same_document, need_x, need_weight) -> (d_x, d_weight)`, as `_TemporalConvRead` defines them.
-    - `"delta_rule"` (`backward` None: its forward is differentiable): `forward(q, k, v, beta, initial_state, erase,
-      document_starts, cu_seqlens) -> (o, final_state) or None`, the inputs and outputs of `delta_rule_recurrent`
-      (`cu_seqlens`: the packed documents' cumulative lengths over the flattened batch where the caller gave them, the
-      same starts as `document_starts`); None where the kernel does not take these inputs (the tensor ops then run).
-    - `"residual_step"` (inference only, `backward` None): `forward(state, x, c, h, weights: ResidualWeights) ->
-      (new_state, beta [...]) or None`: a whole Delta residual after its sublayer, gate, value and write, as
-      `DeltaResidual.forward`'s tensor ops define it (the reference); None where the kernel does not take these
-      inputs (the tensor ops then run).
 
     `applies(tensor) -> bool` says whether the kernel can take this op's inputs (device, dtype, not while compiling).
-    `mixed_dtypes` ("delta_update" only): the kernel also takes a state, h, beta and value of different float dtypes
+    `mixed_dtypes` (`delta_update` only): the kernel also takes a state, h, beta and value of different float dtypes
     (what bf16 / fp16 autocast gives: a float32 state beside a half-precision h), as the tensor ops do.
     """
 
     forward: Callable
-    backward: Callable | None
+    backward: Callable
     applies: Callable[[torch.Tensor], bool]
     mixed_dtypes: bool = False
 
 
-KERNEL_OPS = ("delta_update", "tc_read", "residual_step", "delta_rule")
-INFERENCE_OPS = ("residual_step",)  # run only without autograd: no backward
-AUTOGRAD_OPS = ("delta_rule",)  # the kernel's forward is differentiable itself (fla's ops): no backward
-# One registry for every copy of this file: the package's, and each copy that transformers loads as Hub custom code
-# (`transformers_modules.<repo>.delta_ops`), so that a kernel registered through `ddl_hf` reaches those models too.
-_REGISTRY = "ddl_hf_delta_kernels"
-_KERNELS: dict[str, DeltaKernel] = vars(sys.modules.setdefault(_REGISTRY, types.ModuleType(_REGISTRY))).setdefault(
-    "kernels", {}
-)
+class DeltaKernels(NamedTuple):
+    """What a model's `delta_implementation` runs on one device type; None everywhere is the tensor ops ("eager").
+
+    - `residual`: `(state, x, c, h, weights: ResidualWeights) -> (new_state, beta [...])`: a whole Delta residual
+      after its sublayer (gate, value, write) as one op, with autograd; `DeltaResidual`'s tensor ops are the reference.
+    - `residual_step`: the same without autograd (generation), or None where it declines these inputs.
+    - `read`: `(state [..., D, d_v], weight [d_v] or [D, d_v]) -> [..., D]`, `sum_v X[..., d, v] w[(d,) v]` in the
+      state's dtype, with autograd: the linear read (`state @ w`) and the CC read's folded weight.
+    - `delta_update`, `tc_read`: a `DeltaKernel` for the Delta write and the TC read.
+    - `delta_rule`: `(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens) -> (o, final_state) or None`,
+      the inputs and outputs of `delta_rule_recurrent`, differentiable itself (fla's ops); None where it declines.
+    """
+
+    residual: Callable | None = None
+    residual_step: Callable | None = None
+    read: Callable | None = None
+    delta_update: DeltaKernel | None = None
+    tc_read: DeltaKernel | None = None
+    delta_rule: Callable | None = None
 
 
-def register_kernel(op: str, kernel: DeltaKernel | None) -> None:
-    """Make `op`'s entry point run `kernel` where `kernel.applies` (None: back to the tensor ops). Process-wide,
-    like torch's own backends: every model's Delta residuals and reads use it."""
-    if op not in KERNEL_OPS:
-        raise ValueError(f"register_kernel: unknown op {op!r}; the ops that take a kernel are {KERNEL_OPS}.")
-    if kernel is None:
-        _KERNELS.pop(op, None)
-    elif not all(
-        callable(getattr(kernel, name, None)) or (name == "backward" and op in INFERENCE_OPS + AUTOGRAD_OPS)
-        for name in ("forward", "backward", "applies")
-    ):
-        raise TypeError(f"register_kernel: expected a DeltaKernel(forward, backward, applies), got {type(kernel)}.")
-    else:
-        _KERNELS[op] = kernel
+TENSOR_OPS = DeltaKernels()
+_CHOSEN: dict[tuple[str, str], DeltaKernels] = {}
 
 
-def registered_kernel(op: str) -> DeltaKernel | None:
-    """The kernel registered for `op`, or None."""
-    return _KERNELS.get(op)
+def delta_kernels(implementation: str, tensor: torch.Tensor) -> DeltaKernels:
+    """The kernels `implementation` runs for `tensor`'s device type. "eager" is the tensor ops; "auto", "triton" and
+    "native" come from the `ddl_hf` package (`ddl_hf.kernels`), loaded once per device type, before any forward
+    (`prepare_delta_kernels`, which a model calls when it is built or its implementation is set, so that a compiled
+    forward only looks them up): without `ddl_hf` installed (a Hub directory loaded alone) "auto" is the tensor ops,
+    the others a clear error."""
+    return _kernels_on(implementation, tensor.device.type)
 
 
-def _kernel_for(op: str, x: torch.Tensor) -> DeltaKernel | None:
-    kernel = _KERNELS.get(op)
-    return kernel if kernel is not None and kernel.applies(x) else None
+def _kernels_on(implementation: str, device_type: str) -> DeltaKernels:
+    if implementation == "eager" or device_type == "meta":
+        return TENSOR_OPS
+    kernels = _CHOSEN.get((implementation, device_type))
+    if kernels is None:  # a device the model was not prepared for (moved there after it was built)
+        kernels = _CHOSEN[(implementation, device_type)] = _load_kernels(implementation, device_type)
+    return kernels
+
+
+def _kernel_backends(implementation: str):
+    """`ddl_hf.kernels`, or None where "auto" / "eager" run without it; a clear error for "triton" / "native" where
+    `ddl_hf` is not installed. "auto" takes `ddl_hf`'s kernels only where `ddl_hf` is imported: loading a saved
+    directory through its Hub code alone imports nothing beyond these files."""
+    if implementation not in DELTA_IMPLEMENTATIONS:
+        raise ValueError(
+            f"delta_implementation={implementation!r} is invalid: expected one of {DELTA_IMPLEMENTATIONS}."
+        )
+    if implementation == "eager" or (implementation == "auto" and "ddl_hf" not in sys.modules):
+        return None
+    try:
+        return importlib.import_module("ddl_hf.kernels")
+    except ImportError:
+        if implementation == "auto":
+            return None
+        raise ImportError(
+            f"delta_implementation={implementation!r} runs kernels of the ddl_hf package, which is not installed "
+            "(pip install ddl-hf); delta_implementation='eager' runs the tensor ops of these files alone."
+        ) from None
+
+
+def prepare_delta_kernels(implementation: str, device_type: str | None = None) -> None:
+    """Check that `implementation` can run here and load its kernels for every device type it runs on here (the CPU,
+    CUDA where available), so that forwards, compiled ones included, only look them up. A clear error where it
+    cannot run: an unknown name, its kernels missing, or (given `device_type`, the model's) not on that device."""
+    backends = _kernel_backends(implementation)
+    if backends is None:
+        return
+    for device, kernels in backends.prepare(implementation).items():
+        _CHOSEN.setdefault((implementation, device), _as_these_kernels(kernels))
+    if device_type is not None:
+        _kernels_on(implementation, device_type)
+
+
+def _load_kernels(implementation: str, device_type: str) -> DeltaKernels:
+    backends = _kernel_backends(implementation)
+    return TENSOR_OPS if backends is None else _as_these_kernels(backends.kernels_for(implementation, device_type))
+
+
+def _as_these_kernels(kernels) -> DeltaKernels:
+    """`ddl_hf`'s answer as this file's `DeltaKernels`, by field name: a saved directory's copy of this file and the
+    installed `ddl_hf` may be of different versions, and a field one of them lacks is the tensor ops."""
+    return DeltaKernels(**{name: getattr(kernels, name, None) for name in DeltaKernels._fields})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,24 +377,28 @@ def fused_delta_update(
     eps: float,
     additive: bool,
     erase: bool = True,
+    kernel: DeltaKernel | None = None,
 ) -> torch.Tensor:
     """The Delta residual write, the entry point every Delta residual calls:
     `delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)`, fused.
 
     state `[..., D]` or `[..., D, d_v]` (its dtype is kept), h `[..., D]`, beta `[..., 1]` (or `[...]`) and value
     `[..., d_v]` (float32 or float64). Under autograd it is one node that saves only X, h and per-token scalars;
-    without autograd a plain function (what generation runs). A registered "delta_update" kernel runs where it applies.
+    without autograd a plain function (what generation runs). `kernel` (a model's `delta_update` kernel, or None)
+    runs where it applies.
     """
     if beta.dim() != branch_output.dim():
         beta = beta.unsqueeze(-1)  # [...] -> [..., 1]
-    kernel = _kernel_for("delta_update", state)
     tokens = branch_output.shape[:-1]
-    if kernel is not None and not (
-        # one dtype unless the kernel takes mixed ones (getattr: a kernel of an older copy of this file), no
-        # broadcasting
-        (getattr(kernel, "mixed_dtypes", False) or state.dtype == branch_output.dtype == beta.dtype == value.dtype)
-        and state.shape[: branch_output.dim()] == branch_output.shape
-        and beta.shape[:-1] == value.shape[:-1] == tokens
+    if (
+        kernel is not None
+        and not (
+            kernel.applies(state)
+            # one dtype unless the kernel takes mixed ones, no broadcasting
+            and (kernel.mixed_dtypes or state.dtype == branch_output.dtype == beta.dtype == value.dtype)
+            and state.shape[: branch_output.dim()] == branch_output.shape
+            and beta.shape[:-1] == value.shape[:-1] == tokens
+        )
     ):
         kernel = None
     if torch.is_grad_enabled() and (
@@ -360,10 +411,10 @@ def fused_delta_update(
 
 
 class ResidualWeights(NamedTuple):
-    """A Delta residual's parameters and settings as the "residual_step" op takes them: a linear gate
-    `beta = 2 sigmoid(gate_weight c + gate_bias) clamp(beta_open, 0, 1)`, a linear value (of c; of the read x with
-    `value_scale`, the sigmoid value) or the constant `value_constant` (`value_weight` None), and the update's
-    settings (`delta_update`)."""
+    """A Delta residual's parameters and settings as a whole-residual kernel takes them (`DeltaKernels.residual`): a
+    linear gate `beta = 2 sigmoid(gate_weight c + gate_bias) clamp(beta_open, 0, 1)`, a linear value (of c; of the
+    read x with `value_scale`, the sigmoid value) or the constant `value_constant` (`value_weight` None), and the
+    update's settings (`delta_update`)."""
 
     gate_weight: torch.Tensor
     gate_bias: torch.Tensor
@@ -375,19 +426,6 @@ class ResidualWeights(NamedTuple):
     eps: float
     additive: bool
     erase: bool
-
-
-def residual_step(
-    state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A registered "residual_step" kernel's `(new_state, beta)` for a Delta residual's gate, value and write after
-    its sublayer, or None: no weights a kernel may take, no kernel registered, autograd recording, or the kernel does
-    not apply or declines. The caller then runs its tensor ops (the reference). Inference only: one native call per
-    residual where the tensor ops make ~20 small ones, which is most of what a decoded token costs a Delta block."""
-    kernel = _KERNELS.get("residual_step")
-    if weights is None or kernel is None or torch.is_grad_enabled() or not kernel.applies(state):
-        return None
-    return kernel.forward(state, x, c, h, weights)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -451,8 +489,8 @@ def _tc_read_forward(x, w, past, same_document) -> torch.Tensor:
 
 class _TemporalConvRead(torch.autograd.Function):
     """`temporal_conv(cat([past, x]), weight).sum(-1)` without the padded history; the backward saves only x (which
-    the Delta update keeps anyway). `past` is a cached window: no gradient. `kernel`: a registered "tc_read" kernel,
-    or None."""
+    the Delta update keeps anyway). `past` is a cached window: no gradient. `kernel`: a model's `tc_read` kernel, or
+    None."""
 
     @staticmethod
     def forward(ctx, x, weight, past, same_document, kernel):
@@ -490,15 +528,16 @@ def temporal_conv_read(
     weight: torch.Tensor,
     past: torch.Tensor | None = None,
     same_document: torch.Tensor | None = None,
+    kernel: DeltaKernel | None = None,
 ) -> torch.Tensor:
     """The TC read, the entry point: `temporal_conv(cat([past or zeros, x], 1), weight, same_document).sum(-1)` in one
     pass over the state.
 
     x `[B, T, D, d_v]`, weight `[D, d_v, K]` (the kernels already scaled by the read vector), past `[B, K - 1, D,
     d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The expression
-    above is the readable definition (tests compare them, values and gradients, in float64). A registered "tc_read"
-    kernel runs where it applies."""
-    kernel = _kernel_for("tc_read", x)
+    above is the readable definition (tests compare them, values and gradients, in float64). `kernel` (a model's
+    `tc_read` kernel, or None) runs where it applies."""
+    kernel = kernel if kernel is not None and kernel.applies(x) else None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _TemporalConvRead.apply(x, weight, past, same_document, kernel)
     w = weight.to(x.dtype)
@@ -547,11 +586,16 @@ def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.
     return weight @ shifted.to(weight.dtype)
 
 
-def channel_conv_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+def channel_conv_read(
+    state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor, kernel: Callable | None = None
+) -> torch.Tensor:
     """The CC read, the entry point: `channel_conv(state, weight) @ read` (its readable definition) in one pass over
     the state, with the convolution folded into the read vector (`channel_conv_read_weight`). `[..., D, d_v]` ->
-    `[..., D]`."""
-    return (state * channel_conv_read_weight(weight, read).to(state.dtype)).sum(-1)
+    `[..., D]`. `kernel`: a model's `read` kernel, or None."""
+    folded = channel_conv_read_weight(weight, read)
+    if kernel is not None:
+        return kernel(state, folded)
+    return (state * folded.to(state.dtype)).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -799,15 +843,15 @@ def delta_rule(
     erase: bool = True,
     document_starts: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    kernel: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DeltaNet mixer's entry point: a registered "delta_rule" kernel where it takes these inputs (fla's, on
-    CUDA: `ddl_hf.fla_kernels`), else the tensor ops: one recurrent step when decoding one token, the chunkwise form
-    otherwise. Same inputs and outputs as `delta_rule_recurrent`; `cu_seqlens` (packed rows, where the caller gave
-    them: flash-attention's `cu_seq_lens_q`) say where the documents of `document_starts` start, for a kernel that
-    takes boundaries rather than a mask. On CUDA without a kernel, one warning."""
-    kernel = _kernel_for("delta_rule", v)
+    """The DeltaNet mixer's entry point: `kernel` (a model's `delta_rule` kernel: fla's, on CUDA,
+    `ddl_hf.fla_kernels`) where it takes these inputs, else the tensor ops: one recurrent step when decoding one
+    token, the chunkwise form otherwise. Same inputs and outputs as `delta_rule_recurrent`; `cu_seqlens` (packed
+    rows, where the caller gave them: flash-attention's `cu_seq_lens_q`) say where the documents of `document_starts`
+    start, for a kernel that takes boundaries rather than a mask. On CUDA without a kernel, one warning."""
     if kernel is not None:
-        out = kernel.forward(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens)
+        out = kernel(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens)
         if out is not None:
             return out
     elif v.is_cuda and not torch.compiler.is_compiling():
@@ -823,29 +867,28 @@ def _warn_no_gpu_kernel() -> None:
         _warned_no_gpu_kernel = True
         warnings.warn(
             "DeltaNet on CUDA runs the torch chunkwise form of the delta rule: flash-linear-attention's kernels are "
-            "faster. Install them (`pip install 'ddl-hf[fla]'`, or `fla-core`) and `import ddl_hf` before loading.",
+            "faster. Install them (`pip install 'ddl-hf[fla]'`, or `fla-core`) and load the model with "
+            "delta_implementation='auto' (the default) or 'triton'.",
             stacklevel=3,
         )
 
 
 __all__ = [
-    "AUTOGRAD_OPS",
-    "INFERENCE_OPS",
-    "KERNEL_OPS",
+    "DELTA_IMPLEMENTATIONS",
     "DeltaKernel",
+    "DeltaKernels",
     "ResidualWeights",
     "channel_conv",
     "channel_conv_read",
     "channel_conv_read_weight",
     "delta_gate",
+    "delta_kernels",
     "delta_rule",
     "delta_rule_chunkwise",
     "delta_rule_recurrent",
     "delta_update",
     "fused_delta_update",
-    "register_kernel",
-    "registered_kernel",
-    "residual_step",
+    "prepare_delta_kernels",
     "same_document_taps",
     "straight_through_clamp",
     "temporal_conv",

@@ -23,7 +23,16 @@ from .delta_compat import check_installed_versions  # noqa: F401
 from transformers.cache_utils import DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
 
-from .delta_ops import channel_conv_read, same_document_taps, temporal_conv, temporal_conv_read
+from .delta_ops import (
+    TENSOR_OPS,
+    DeltaKernel,
+    DeltaKernels,
+    channel_conv_read,
+    delta_kernels,
+    same_document_taps,
+    temporal_conv,
+    temporal_conv_read,
+)
 
 
 @dataclass
@@ -77,15 +86,17 @@ class DeltaConvContext:
             past = x.new_zeros(x.shape[0], size - 1, *x.shape[2:])
         return temporal_conv(torch.cat([past, x], dim=1), weight, self.same_document(size))
 
-    def convolve_read(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
-        """`convolve(x, key, weight).sum(-1)` as one op (`temporal_conv_read`): x `[B, T, D, d_v]` (or `[B, T, D]`, one
-        value channel, weight `[D, 1, K]`) -> `[B, T, D]`."""
+    def convolve_read(
+        self, x: torch.Tensor, key: str, weight: torch.Tensor, kernel: DeltaKernel | None = None
+    ) -> torch.Tensor:
+        """`convolve(x, key, weight).sum(-1)` as one op (`temporal_conv_read`, with the model's `tc_read` kernel): x
+        `[B, T, D, d_v]` (or `[B, T, D]`, one value channel, weight `[D, 1, K]`) -> `[B, T, D]`."""
         size = weight.shape[-1]
         x = self.masked(x)
         past = self.past(x, key, size)
         if x.dim() == 3:
             x, past = x.unsqueeze(-1), None if past is None else past.unsqueeze(-1)
-        return temporal_conv_read(x, weight, past, self.same_document(size))
+        return temporal_conv_read(x, weight, past, self.same_document(size), kernel)
 
 
 class DeltaStateConv(nn.Module):
@@ -114,14 +125,16 @@ class DeltaStateConv(nn.Module):
         read: torch.Tensor | None = None,
         context: DeltaConvContext | None = None,
         window: str = "",
+        kernels: DeltaKernels = TENSOR_OPS,
     ) -> torch.Tensor:
         """The convolution, then the read vector `read` `[d_v]`: `[..., D, d_v]` -> `[..., D]`; without one (d_v = 1,
-        state `[..., D]`) the convolution alone. `window`: where the cache keeps a TC read's last inputs."""
+        state `[..., D]`) the convolution alone. `window`: where the cache keeps a TC read's last inputs; `kernels`:
+        the model's (`read` for CC, `tc_read` for TC)."""
         if self.kind == "channel_conv":
-            return channel_conv_read(state, self.weight, read)
+            return channel_conv_read(state, self.weight, read, kernels.read)
         # TC: the read vector scales the kernels (W r), and one pass reads the state.
         weight = self.weight if read is None else self.weight * read[:, None]
-        return (context or DeltaConvContext()).convolve_read(state, window, weight)
+        return (context or DeltaConvContext()).convolve_read(state, window, weight, kernels.tc_read)
 
 
 class DeltaRead(nn.Module):
@@ -137,6 +150,7 @@ class DeltaRead(nn.Module):
 
     def __init__(self, config: PreTrainedConfig):
         super().__init__()
+        self.config = config  # its `delta_implementation` names the read's kernels
         value_channels = config.delta_value_channels
         self.weights = nn.Parameter(torch.empty(value_channels)) if value_channels > 1 else None
         self.conv = (
@@ -146,11 +160,14 @@ class DeltaRead(nn.Module):
         )
 
     def forward(self, state: torch.Tensor, context: DeltaConvContext | None = None, window: str = "") -> torch.Tensor:
+        if self.conv is None and self.weights is None:
+            return state
+        kernels = delta_kernels(self.config.delta_implementation, state)
         if self.conv is not None:
-            return self.conv(state, self.weights, context, window)
-        if self.weights is not None:
-            return state @ self.weights.to(state.dtype)
-        return state
+            return self.conv(state, self.weights, context, window, kernels)
+        if kernels.read is not None:
+            return kernels.read(state, self.weights)
+        return state @ self.weights.to(state.dtype)
 
 
 class DeltaEmbedExpand(nn.Module):

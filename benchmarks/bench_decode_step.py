@@ -14,10 +14,10 @@ largest first, the two models profiled in alternating chunks (profiling adds its
 large matmuls' times move by several percent between chunks; read it as a breakdown of the small operators and of
 the time outside operators, not as the ratio).
 
-    python benchmarks/bench_decode_step.py                       # GPT-2-small, native kernels, the four base rows
+    python benchmarks/bench_decode_step.py                       # GPT-2-small, delta_implementation="native"
     python benchmarks/bench_decode_step.py --profile --variants 4:additive
     python benchmarks/bench_decode_step.py --compiled --variants 1:additive 1:paper 4:paper   # generate's compiled step
-    python benchmarks/bench_decode_step.py --without-kernel residual_step   # what that native kernel earns
+    python benchmarks/bench_decode_step.py --without-kernel      # what the native kernels earn over "eager"
     python benchmarks/bench_decode_step.py --quick               # tiny shape, a few seconds (tested)
 """
 
@@ -43,10 +43,12 @@ from _common import provenance, write_results
 from bench_overhead import SHAPES, build_pair
 
 from ddl_hf.delta_compat import cache_argument, cache_of
-from ddl_hf.delta_ops import register_kernel, registered_kernel
-from ddl_hf.native import NATIVE_OPS, disable_native_kernels, enable_native_kernels, native_build_problem
+from ddl_hf.native import native_build_problem
 
 MODELS = ("gpt2", "twin", "delta")
+# `--without-kernel` took the op whose native kernel to unregister when kernels were registered process-wide; they
+# are chosen per model now (`delta_implementation`), and these names take the whole native set away, as "native".
+FORMER_NATIVE_OPS = ("delta_update", "tc_read", "residual_step")
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
@@ -103,20 +105,12 @@ class Stepper:
         return out.logits
 
 
-class WithoutKernel:
-    """A stepper whose steps run with `op`'s registered kernel taken away (the tensor ops), put back after each step:
-    in the same process and rotation as the others, what that kernel earns (`--without-kernel`)."""
-
-    def __init__(self, stepper: Stepper, op: str):
-        self.stepper, self.op = stepper, op
-
-    def step(self) -> torch.Tensor:
-        kernel = registered_kernel(self.op)
-        register_kernel(self.op, None)
-        try:
-            return self.stepper.step()
-        finally:
-            register_kernel(self.op, kernel)
+def without_kernels(delta: torch.nn.Module, prompt: torch.Tensor) -> Stepper:
+    """A stepper over a copy of `delta` set to `delta_implementation="eager"` (the tensor ops; `delta` keeps its
+    own): in the same process and rotation as the others, what `delta`'s kernels earn (`--without-kernel`)."""
+    tensor_ops = copy.deepcopy(delta)
+    tensor_ops.set_delta_implementation("eager")
+    return Stepper(tensor_ops, prompt)
 
 
 def time_rounds(steppers: dict[str, Stepper], rounds: int, warmup: int) -> dict[str, list[float]]:
@@ -173,12 +167,12 @@ def bench(shape_name: str, value_channels: int, mode: str, args: argparse.Namesp
     shape = SHAPES[shape_name]
     if args.compiled:
         torch._dynamo.reset()  # the three compiled calls of the previous row would count against the recompile limit
-    gpt2, delta = build_pair(shape, value_channels, mode)
+    gpt2, delta = build_pair(shape, value_channels, mode, implementation="native" if args.native else "eager")
     twin = copy.deepcopy(gpt2)
     prompt = torch.randint(0, shape["vocab_size"], (1, args.context), generator=torch.Generator().manual_seed(1))
     steppers = {name: Stepper(m, prompt, compiled=args.compiled) for name, m in zip(MODELS, (gpt2, twin, delta))}
     if args.without_kernel:
-        steppers["without"] = WithoutKernel(Stepper(copy.deepcopy(delta), prompt), args.without_kernel)
+        steppers["without"] = without_kernels(delta, prompt)
     times = time_rounds(steppers, args.rounds, args.warmup)
     row = {
         "shape": shape_name,
@@ -212,7 +206,11 @@ def markdown(results: dict) -> str:
         + (
             "compiled (static cache, `torch.compile(fullgraph=True)`; no native kernel runs under compilation). "
             if results["compiled"]
-            else f"{'native kernels on' if results['native'] else 'tensor ops (no native kernels)'}. "
+            else (
+                'delta_implementation="native" (the native kernels). '
+                if results["native"]
+                else 'delta_implementation="eager" (the tensor ops, no native kernels). '
+            )
         )
         + "Medians of per-round ratios with a distribution-free 95% interval.",
         "",
@@ -229,8 +227,8 @@ def markdown(results: dict) -> str:
     if kernel_rows:
         lines += [
             "",
-            "What a kernel earns, in the same rounds: a copy of DeltaGPT stepping with that kernel unregistered (the "
-            "tensor ops).",
+            "What the kernels earn, in the same rounds: a copy of DeltaGPT stepping with "
+            'delta_implementation="eager" (the tensor ops).',
             "",
             "| shape | d_v | mode | kernel | without it / GPT-2 | with it / without it |",
             "|---|---|---|---|---|---|",
@@ -270,14 +268,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, help="timed rounds (one step of each model per round)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--context", type=int, default=64, help="prompt length the step decodes after")
-    parser.add_argument("--native", action=argparse.BooleanOptionalAction, default=True, help="ddl_hf.native kernels")
+    parser.add_argument(
+        "--native",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='DeltaGPT with delta_implementation="native" (ddl_hf.native\'s kernels); --no-native: "eager"',
+    )
     parser.add_argument(
         "--compiled", action="store_true", help="static cache and torch.compile, as generate's compiled decoding"
     )
     parser.add_argument(
         "--without-kernel",
-        choices=NATIVE_OPS,
-        help="also time DeltaGPT with this op's native kernel unregistered: what the kernel earns, in one process",
+        nargs="?",
+        const="native",
+        choices=("native", *FORMER_NATIVE_OPS),
+        help='also time a copy of DeltaGPT with delta_implementation="eager": what the native kernels earn, in one '
+        "process (kernels are chosen per model: an op name, as before, takes all of them away too)",
     )
     parser.add_argument("--profile", action="store_true", help="add the per-operator breakdown")
     parser.add_argument("--profile-steps", type=int, default=100, help="profiled steps per model, in chunks of 10")
@@ -287,7 +293,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--name", default=None, help="basename of the result files (default: decode_step[_quick])")
     args = parser.parse_args(argv)
     if args.without_kernel and (args.compiled or not args.native):
-        parser.error("--without-kernel compares a native kernel with the tensor ops: it needs --native, not --compiled")
+        parser.error("--without-kernel compares the native kernels with the tensor ops: needs --native, not --compiled")
+    if args.without_kernel in FORMER_NATIVE_OPS:
+        print(
+            f"bench_decode_step: --without-kernel {args.without_kernel}: kernels are chosen per model now "
+            '(delta_implementation), so the copy runs "eager", without every native kernel'
+        )
+        args.without_kernel = "native"
     args.shape = args.shape or ("tiny" if args.quick else "gpt2-small")
     args.rounds = args.rounds or (12 if args.quick else 300)
     if args.quick:
@@ -295,19 +307,21 @@ def main(argv: list[str] | None = None) -> dict:
     variants = args.variants or [(1, "additive"), (1, "paper"), (4, "additive"), (4, "paper")]
     torch.set_num_threads(args.threads)
     prov = provenance(None if argv is None else [__file__, *argv])
-    if args.native:
-        problem = native_build_problem()
-        if problem:
-            raise SystemExit(f"bench_decode_step: the native kernels do not build here ({problem}); use --no-native")
-        enable_native_kernels()
-    else:
-        disable_native_kernels()
+    if args.native and (problem := native_build_problem()):
+        raise SystemExit(f"bench_decode_step: the native kernels do not build here ({problem}); use --no-native")
     rows = []
     for value_channels, mode in variants:
         row = bench(args.shape, value_channels, mode, args)
         print(f"bench_decode_step: d_v={value_channels} {mode}: {fmt(row['ratio'])}, A/A {fmt(row['aa_ratio'])}")
         rows.append(row)
-    results = {"provenance": prov, "native": args.native, "compiled": args.compiled, "rows": rows}
+    implementation = "native" if args.native else "eager"
+    results = {
+        "provenance": prov,
+        "native": args.native,
+        "delta_implementation": implementation,
+        "compiled": args.compiled,
+        "rows": rows,
+    }
     name = args.name or ("decode_step_quick" if args.quick else "decode_step")
     write_results(args.out, name, results, markdown(results))
     return results

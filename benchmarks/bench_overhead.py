@@ -30,13 +30,14 @@ timed. `fullgraph=True` makes any graph break in a Delta block an error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import provenance, write_results
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
-from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
+from ddl_hf.native import native_build_problem
 
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
@@ -131,10 +132,11 @@ def base_config(shape: dict) -> GPT2Config | LlamaConfig:
 
 
 def build_pair(
-    shape: dict, value_channels: int, mode: str, fields: dict | None = None
+    shape: dict, value_channels: int, mode: str, fields: dict | None = None, implementation: str = "eager"
 ) -> tuple[PreTrainedModel, PreTrainedModel]:
     """The baseline (GPT-2 or Llama) and its Delta model sharing every baseline weight (the Delta parameters are
-    extra); `fields`: variant fields."""
+    extra); `fields`: variant fields; `implementation`: the Delta model's `delta_implementation` (default the tensor
+    ops, "eager"; "native": the CPU kernels of `ddl_hf.native`)."""
     torch.manual_seed(0)
     config = base_config(shape)
     config._attn_implementation = "sdpa"
@@ -156,7 +158,20 @@ def build_pair(
     missing, unexpected = delta.load_state_dict(base.state_dict(), strict=False)
     if unexpected or not set(missing) <= set(delta.delta_parameters()):
         raise RuntimeError(f"baseline weights do not map onto the Delta model: {missing=} {unexpected=}")
+    delta.set_delta_implementation(implementation)
     return base, delta
+
+
+@contextlib.contextmanager
+def delta_implementation(model: PreTrainedModel, implementation: str) -> Iterator[None]:
+    """`model` (a Delta model) runs `implementation` inside the block, the one it had before afterwards. Per model:
+    the baseline and every other model are untouched."""
+    before = model.config.delta_implementation
+    model.set_delta_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_delta_implementation(before)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -307,8 +322,9 @@ def bench_variant(
     fields: dict | None = None,
     native: bool = False,
 ) -> dict:
-    """One row; `native`: also train (`train_step_native`) and decode at batch 1 (`generation_b1_native`) with
-    `ddl_hf.native`'s kernels registered."""
+    """One row, the Delta model with the tensor ops (`delta_implementation="eager"`); `native`: also train
+    (`train_step_native`) and decode at batch 1 (`generation_b1_native`) with the same model set to
+    `delta_implementation="native"` (`ddl_hf.native`'s kernels)."""
     shape = SHAPES[shape_name]
     gpt2, delta = build_pair(shape, value_channels, mode, fields)
     g = torch.Generator().manual_seed(1)
@@ -321,9 +337,8 @@ def bench_variant(
     step_b, opt_b = train_step_fn(delta, ids)
     row["train_step"] = interleaved(step_a, step_b, pairs)
     if native:  # the same steps again, the Delta update and TC read with the native training kernels
-        enable_native_kernels()
-        row["train_step_native"] = interleaved(step_a, step_b, pairs)
-        disable_native_kernels()
+        with delta_implementation(delta, "native"):
+            row["train_step_native"] = interleaved(step_a, step_b, pairs)
     del step_a, step_b
     mem_ids = torch.randint(0, shape["vocab_size"], (shape["memory_batch"], shape["seq"]), generator=g)
     step_a, _ = train_step_fn(gpt2, mem_ids, opt_a)
@@ -344,12 +359,11 @@ def bench_variant(
         result = interleaved(generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs)
         row[f"generation_b{batch}"] = with_tokens_per_s(result, batch, gen_tokens)
         if batch == 1 and native:  # the same prompt again, with the optional native decoding kernel
-            enable_native_kernels()
-            result = interleaved(
-                generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs
-            )
+            with delta_implementation(delta, "native"):
+                result = interleaved(
+                    generate_fn(gpt2, prompt, gen_tokens), generate_fn(delta, prompt, gen_tokens), gen_pairs
+                )
             row["generation_b1_native"] = with_tokens_per_s(result, batch, gen_tokens)
-            disable_native_kernels()
     return row
 
 

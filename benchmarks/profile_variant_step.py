@@ -5,9 +5,9 @@ The extra CPU time is split by the autograd Functions that hold the Delta math: 
 (`_FusedDeltaUpdate`, forward and backward) and the TC read (`_TemporalConvRead`); the rest of the extra ("other":
 gate and value projections, CC's folded read, EC's expansion, the linear read, AdamW on the Delta parameters, the
 Python around them) is the difference that remains. The profiler's own cost per operator inflates every total a
-little (both models alike); the shares, not the milliseconds, are what to read. Where the optional native kernel
-builds (`ddl_hf.native`), every variant is profiled again with the native training kernels (the Delta update and
-the TC read).
+little (both models alike); the shares, not the milliseconds, are what to read. Each variant runs the tensor ops
+(`delta_implementation="eager"`); where the optional native kernels build (`ddl_hf.native`), every variant is
+profiled again with `delta_implementation="native"` (the native Delta update and TC read).
 
     python benchmarks/profile_variant_step.py            # small shape (L4 D256 T256 B8), 9 profiled steps each
     python benchmarks/profile_variant_step.py --quick    # tiny shape, 1 step
@@ -28,7 +28,7 @@ from bench_overhead import SHAPES, build_pair, train_step_fn
 from torch.profiler import ProfilerActivity, profile
 from transformers.utils import logging as hf_logging
 
-from ddl_hf.native import disable_native_kernels, enable_native_kernels, native_build_problem
+from ddl_hf.native import native_build_problem
 
 VARIANTS = {
     "linear read": {},
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     if native_build_problem() is None:
         runs += [(f"{variant}, native", fields, True) for variant, fields in VARIANTS.items()]
     for variant, fields, native in runs:
-        gpt2, delta = build_pair(shape, 4, "paper", fields)
-        (enable_native_kernels if native else disable_native_kernels)()
+        gpt2, delta = build_pair(shape, 4, "paper", fields, implementation="native" if native else "eager")
         base_step, delta_step = train_step_fn(gpt2, ids)[0], train_step_fn(delta, ids)[0]
         for step in (base_step, delta_step, base_step, delta_step):  # warm-up: allocator, AdamW state
             step()
@@ -117,7 +116,6 @@ def main(argv: list[str] | None = None) -> dict:
         results["rows"].append(row)
         shares = " ".join(f"{p} {s:+.3f}" for p, s in row["parts_share_of_gpt2"].items())
         print(f"{variant:12s} ratio {row['ratio']:.3f}: {shares}", flush=True)
-    disable_native_kernels()
     write_results(
         args.out, "variant_step_profile_quick" if args.quick else "variant_step_profile", results, markdown(results)
     )

@@ -18,15 +18,24 @@ Sections (each check catches its own exception and is recorded as an error; one 
 - sync: a training step (forward + backward) and a cached decoding step under
   `torch.cuda.set_sync_debug_mode("error")`, with GPT2LMHeadModel / LlamaForCausalLM as the controls (CUDA only).
 - fla: DeltaNet's delta rule through flash-linear-attention's kernels against the float64 recurrent reference, and a
-  DeltaNet training step with them against the torch form (CUDA with fla installed).
+  DeltaNet model with `delta_implementation="triton"` (fla's rule) against the same model with `"eager"`: logits
+  and a training step (CUDA with fla installed).
 - profile: one eager training step of GPT-2 and of two Delta variants at the 124M shape under torch.profiler: wall
   time beside the device's busy time, kernel launches, and busy time by class (matmul, attention, other).
-- compiled_update: the opt-in compiled Delta update (`ddl_hf.compiled_kernels`) against the tensor ops: a model's
-  logits with it, and the eager training step with it against the tensor ops' and GPT-2's.
+- triton: each Delta variant's eager training step at the 124M shape with `delta_implementation="eager"` (the tensor
+  ops) and `"triton"` (one Triton op per Delta residual, `ddl_hf.triton_delta`) beside its baseline, as the cost
+  section times it; the "triton" model's bf16-autocast loss and gradients against float32 "eager"; kernel launches
+  per step of both. Where Triton cannot run (the CPU), "eager" stands in and the report says so.
 - cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio next to the baseline
   timed against itself (the A/A noise floor): training tokens/s and peak memory at the 124M shape (bf16 autocast,
   eager and `torch.compile`), batch-1 and batch-32 decoding tokens/s (eager, and compiled with the static cache
   where the variant has one). Rows that would run past the time budget (`--budget-s`) are skipped and say so.
+
+Delta models run `delta_implementation="auto"` (Triton's op on CUDA, the tensor ops on the CPU) except where a section
+says otherwise; the cost, profile and correctness rows record which implementation ran.
+
+    python checks/gpu_check.py --sections triton      # the Triton section alone
+    TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --tiny --sections triton   # its values, on the CPU
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ddl_hf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _common, bench_overhead (imported or run)
 from _common import cpu_model, provenance, write_results
-from bench_overhead import live_bytes, peak_train_bytes
+from bench_overhead import delta_implementation, live_bytes, peak_train_bytes
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
 
@@ -159,8 +168,9 @@ def build_baseline(family: str, shape: dict) -> PreTrainedModel:
     return (LlamaForCausalLM if family == "llama" else GPT2LMHeadModel)(config).eval()
 
 
-def build_delta(variant: str, baseline: PreTrainedModel) -> PreTrainedModel:
-    """The variant over `baseline`'s config, on the CPU, holding every baseline weight (the Delta ones are extra)."""
+def build_delta(variant: str, baseline: PreTrainedModel, implementation: str = "auto") -> PreTrainedModel:
+    """The variant over `baseline`'s config, on the CPU, holding every baseline weight (the Delta ones are extra),
+    running `implementation` (`delta_implementation`: "auto", the default, takes Triton's op on CUDA)."""
     family, fields = VARIANTS[variant]
     architecture = {
         k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")
@@ -176,7 +186,42 @@ def build_delta(variant: str, baseline: PreTrainedModel) -> PreTrainedModel:
     _, unexpected = delta.load_state_dict(state, strict=False)
     if unexpected:
         raise RuntimeError(f"baseline weights that the Delta model lacks: {unexpected}")
+    delta.set_delta_implementation(implementation)
     return delta.eval()
+
+
+def implementation_ran(model: PreTrainedModel, device: torch.device) -> str:
+    """What `model`'s `delta_implementation` runs for its Delta residuals on `device`: "triton" (the one op per
+    residual), "native" or "eager" (the tensor ops); "auto" as what it resolved to ("auto → triton")."""
+    from ddl_hf.delta_ops import delta_kernels
+
+    requested = model.config.delta_implementation
+    kernels = delta_kernels(requested, torch.empty(0, device=device))
+    ran = "triton" if kernels.residual is not None else "native" if kernels.residual_step is not None else "eager"
+    return requested if ran == requested else f"{requested} → {ran}"
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why `delta_implementation="triton"` cannot run on `device`'s tensors here (the library's own reason), or
+    None."""
+    from ddl_hf.delta_ops import delta_kernels
+
+    try:
+        delta_kernels("triton", torch.empty(0, device=device))
+    except (ImportError, RuntimeError) as error:  # DeltaImplementationUnavailable is a RuntimeError
+        return str(error)
+    return None
+
+
+def running(model: PreTrainedModel, implementation: str, step: Callable[[], None]) -> Callable[[], None]:
+    """`step` with `model` set to `implementation` (per model, as `set_attn_implementation`): one model's weights
+    and optimizer stepped either way."""
+
+    def run() -> None:
+        model.set_delta_implementation(implementation)
+        step()
+
+    return run
 
 
 def cache_kwarg(model: torch.nn.Module, cache: object) -> dict:
@@ -290,6 +335,7 @@ def correctness_row(variant: str, build: Callable, plan: dict, device: torch.dev
     bound = fp32_bound(shape)
     row: dict = {"variant": variant}
     baseline, delta = build()
+    row["implementation"] = implementation_ran(delta, device)
     ids = random_ids(delta.config.vocab_size, shape["batch"], shape["seq"], seed=2)
 
     def device_vs_cpu() -> dict:
@@ -614,7 +660,7 @@ class CostRunner:
     def train(self, variant: str, compiled: bool) -> dict:
         family = VARIANTS[variant][0]
         base = self.baseline(family)
-        delta = build_delta(variant, base["model"]).to(self.device)
+        delta = build_delta(variant, base["model"], "auto").to(self.device)
         delta.loss_type = "ForCausalLM"
         models = [base["model"], delta]
         if compiled:
@@ -656,6 +702,7 @@ class CostRunner:
         for model in models:
             model.eval()
         return {
+            "implementation": implementation_ran(delta, self.device),
             f"train_{kind}": throughput(timing, floor_time, ids.numel()),
             f"peak_train_memory_{kind}": {
                 "baseline_bytes": memory_a,
@@ -671,11 +718,11 @@ class CostRunner:
         family = VARIANTS[variant][0]
         base = self.baseline(family)
         baseline = base["model"].eval()
-        delta = build_delta(variant, baseline).to(self.device).eval()
+        delta = build_delta(variant, baseline, "auto").to(self.device).eval()
         backend = self.backend if compiled else None
         kind = "compiled" if compiled else "eager"
         n = self.plan["new_tokens"]
-        record = {}
+        record = {"implementation": implementation_ran(delta, self.device)}
         for batch in self.plan["decode_batches"]:
             prompt = random_ids(baseline.config.vocab_size, batch, self.shape["prompt"], seed=5).to(self.device)
             run_a, run_b = (generate_fn(m, prompt, n, backend) for m in (baseline, delta))
@@ -822,10 +869,15 @@ def kernel_class(name: str) -> str:
     return next((label for label, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
 
 
+#: The Triton op of a whole Delta residual (`ddl_hf.triton_delta`), as the profiler names its calls.
+TRITON_OP = "ddl_hf::delta_residual"
+
+
 def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
     """One call of `step` under torch.profiler: the device's kernels (CUDA), or on the CPU a stand-in (the matmul and
     attention operators and the aten operators that call no other, by self time), as launches and busy milliseconds
-    per class, with the ten costliest "other" kernels."""
+    per class, with the ten costliest "other" kernels; and the calls of the Triton op (`TRITON_OP`, forward; 0 where
+    the tensor ops ran)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
@@ -852,6 +904,7 @@ def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
             entry[1] += us / 1e3
     top = sorted(other.items(), key=lambda item: -item[1][1])[:10]
     return {
+        "triton_op_calls": sum(e.name == TRITON_OP for e in prof.events()),
         "kernels": len(kernels),
         "busy_ms": sum(us for _, us in kernels) / 1e3,
         "by_class": by_class,
@@ -859,66 +912,22 @@ def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
     }
 
 
-@contextlib.contextmanager
-def registered(op: str, kernel: object) -> Iterator[None]:
-    """`kernel` registered for `op` inside the block, the one before it afterwards."""
-    from ddl_hf.delta_ops import register_kernel, registered_kernel
-
-    before = registered_kernel(op)
-    register_kernel(op, kernel)
-    try:
-        yield
-    finally:
-        register_kernel(op, before)
-
-
-def compiled_update(backend: str, device: torch.device) -> object:
-    """`ddl_hf.compiled_kernels`' "delta_update" kernel, compiled with `backend`, applying on `device`'s type; its
-    graphs start afresh."""
-    from ddl_hf.compiled_kernels import compiled_delta_update_kernel
-
-    torch._dynamo.reset()
-    return compiled_delta_update_kernel(backend=backend, devices=(device.type,))
-
-
-@contextlib.contextmanager
-def strict_recompiles() -> Iterator[None]:
-    """Past dynamo's recompile limit, raise instead of quietly running the tensor ops (a comparison would then time
-    or check the tensor ops against themselves)."""
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        yield
-
-
-def with_compiled_update(step: Callable[[], None], kernel: object) -> Callable[[], None]:
-    """`step` with `kernel` registered for "delta_update", strictly (`strict_recompiles`)."""
-
-    def run() -> None:
-        with registered("delta_update", kernel), strict_recompiles():
-            step()
-
-    return run
-
-
-def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
-    """GPT-2, each Delta variant of PROFILE_VARIANTS and the first of them with the compiled update
-    (`ddl_hf.compiled_kernels`, `backend`) at the cost shape: one eager bf16 training step's wall time (median of 3,
-    no profiler) beside the device's busy time and kernel launches from one profiled step. Busy well below wall: the
-    host's dispatch sets the pace (more launches cost time even when each is short); busy near wall: the kernels do,
-    and "other" says how much of them is not matmul or attention."""
+def profile_section(plan: dict, device: torch.device) -> dict:
+    """GPT-2 and each Delta variant of PROFILE_VARIANTS (`delta_implementation="auto"`: Triton's op on CUDA; each row
+    says what ran) at the cost shape: one eager bf16 training step's wall time (median of 3, no profiler) beside the
+    device's busy time and kernel launches from one profiled step. Busy well below wall: the host's dispatch sets the
+    pace (more launches cost time even when each is short); busy near wall: the kernels do, and "other" says how much
+    of them is not matmul or attention. The triton section profiles "eager" beside "triton"."""
     shape = plan["cost"]
     baseline = build_baseline("gpt2", shape).to(device)
     baseline.loss_type = "ForCausalLM"
     ids = random_ids(shape["vocab_size"], shape["batch"], shape["seq"], seed=4).to(device)
     rows = []
-    fused = f"{PROFILE_VARIANTS[0]} +compiled update"
-    for name in ("gpt2", *PROFILE_VARIANTS, fused):
-        variant = PROFILE_VARIANTS[0] if name == fused else name
-        model = baseline if name == "gpt2" else build_delta(variant, baseline).to(device)
+    for name in ("gpt2", *PROFILE_VARIANTS):
+        model = baseline if name == "gpt2" else build_delta(name, baseline, "auto").to(device)
         model.loss_type = "ForCausalLM"
         model.train()
         step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        if name == fused:
-            step = with_compiled_update(step, compiled_update(backend, device))
         step()
         step()  # AdamW's state exists; caches are warm
         walls = []
@@ -928,11 +937,12 @@ def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
             step()
             synchronize(device)
             walls.append(time.perf_counter() - begin)
-        record = {"model": name, "wall_ms": statistics.median(walls) * 1e3, **step_kernels(step, device)}
+        record = {"model": name, "implementation": "-" if model is baseline else implementation_ran(model, device)}
+        record.update(wall_ms=statistics.median(walls) * 1e3, **step_kernels(step, device))
         rows.append(record)
         print(
-            f"profile     {name:20s} wall {record['wall_ms']:.1f} ms, busy {record['busy_ms']:.1f} ms, "
-            f"{record['kernels']} kernels",
+            f"profile     {name:20s} {record['implementation']:16s} wall {record['wall_ms']:.1f} ms, busy "
+            f"{record['busy_ms']:.1f} ms, {record['kernels']} kernels",
             flush=True,
         )
         model.eval()
@@ -942,56 +952,140 @@ def profile_section(plan: dict, device: torch.device, backend: str) -> dict:
     return {"shape": shape, "tokens": ids.numel(), "rows": rows}
 
 
-# --- the compiled update: the Delta write through torch.compile alone (ddl_hf.compiled_kernels) -------------------
+# --- triton: the Delta residual as one Triton op against the tensor ops (ddl_hf.triton_delta) -------------------
+
+#: The two implementations the section compares: the tensor ops, and one Triton op per Delta residual.
+TRITON_PAIR = ("eager", "triton")
 
 
-def compiled_update_section(plan: dict, device: torch.device, backend: str) -> dict:
-    """The opt-in compiled Delta update against the tensor ops, for each of PROFILE_VARIANTS: the model's logits with
-    it (`kernel_model_check` at the check shape: bf16 autocast and float32 bounds), then the eager bf16 training step
-    at the cost shape with it against the same step with the tensor ops (ratio < 1: the compiled update is faster;
-    A/A: the tensor-ops step against itself) and each against GPT-2's step."""
-    cost = plan["cost"]
-    baseline = build_baseline("gpt2", cost).to(device).train()
-    baseline.loss_type = "ForCausalLM"
-    ids = random_ids(cost["vocab_size"], cost["batch"], cost["seq"], seed=4).to(device)
-    base_step = train_step_fn(baseline, ids, torch.optim.AdamW(baseline.parameters(), lr=1e-4))
-    base_step()
-    pairs = plan["train_pairs"]
-    rows = []
-    for variant in PROFILE_VARIANTS:
-        kernel = compiled_update(backend, device)
-        row: dict = {"variant": variant}
+def loss_and_grads(model: PreTrainedModel, ids: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, dict]:
+    """The training loss and every parameter's gradient of one forward and backward (`model`'s own implementation),
+    the gradients cleared again afterwards."""
+    model.zero_grad(set_to_none=True)
+    with autocast(ids.device, bf16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float(), grads
 
-        def logits(variant=variant, kernel=kernel) -> dict:
-            model = build_delta(variant, build_baseline("gpt2", plan["check"])).to(device)
-            check_ids = random_ids(model.config.vocab_size, 2, plan["check"]["seq"], seed=2).to(device)
-            with strict_recompiles():
-                return kernel_model_check(model, check_ids, "delta_update", kernel)
 
-        row["model_logits"] = guarded(logits)
-        delta = build_delta(variant, baseline).to(device).train()
-        delta.loss_type = "ForCausalLM"
-        step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
-        fused = with_compiled_update(step, kernel)
+def loss_and_grads_check(model: PreTrainedModel, ids: torch.Tensor, implementation: str) -> dict:
+    """`model`'s bf16-autocast loss and gradients with `implementation` against the same model in float32 with
+    "eager" (TF32 off), bounded as the correctness section bounds bf16: BF16_FACTOR times "eager"'s own bf16 error
+    against the same reference, at least bf16's eps; the gradients per parameter (each its own error and bound; the
+    worst parameter, by error over bound, is recorded)."""
+    with delta_implementation(model, "eager"):
+        with exact_fp32():
+            reference = loss_and_grads(model, ids, bf16=False)
+        eager = loss_and_grads(model, ids, bf16=True)
+    with delta_implementation(model, implementation):
+        mine = loss_and_grads(model, ids, bf16=True)
+    loss_error, eager_loss_error = rel_err(mine[0], reference[0]), rel_err(eager[0], reference[0])
+    loss_bound = BF16_FACTOR * max(eager_loss_error, EPS_BF16)
+    loss = {"status": passed(loss_error <= loss_bound), "error": loss_error, "bound": loss_bound}
+    loss["eager_error"] = eager_loss_error
+    names = sorted(reference[1])
+    missing = sorted(set(names) ^ set(mine[1]))
+    errors = {name: rel_err(mine[1][name], reference[1][name]) for name in names if name in mine[1]}
+    bounds = {name: BF16_FACTOR * max(rel_err(eager[1][name], reference[1][name]), EPS_BF16) for name in errors}
+    worst = max(errors, key=lambda name: errors[name] / bounds[name])
+    grads = {
+        "status": passed(not missing and all(errors[name] <= bounds[name] for name in errors)),
+        "error": errors[worst],
+        "bound": bounds[worst],
+        "worst_parameter": worst,
+        "parameters": len(errors),
+        "largest_error": max(errors.values()),
+    }
+    if missing:
+        grads["missing"] = missing[:20]  # a gradient one implementation gives and the other does not
+    status = passed(loss["status"] == grads["status"] == "pass")
+    return {"status": status, "implementation": implementation, "loss": loss, "grads": grads}
 
-        def timings(step=step, fused=fused) -> dict:
-            fused()  # compiles: not timed
-            floor = interleaved(step, step, pairs, device)  # the Delta step against itself
-            base_floor = interleaved(base_step, base_step, pairs, device)  # GPT-2's against itself
-            tokens = ids.numel()
-            return {
-                "status": "ok",
-                "update_vs_tensor_ops": {**interleaved(step, fused, pairs, device), "aa_floor": aa_summary(floor)},
-                "tensor_ops_vs_gpt2": throughput(interleaved(base_step, step, pairs, device), base_floor, tokens),
-                "update_vs_gpt2": throughput(interleaved(base_step, fused, pairs, device), base_floor, tokens),
-            }
 
-        row["train_step"] = guarded(timings)
-        rows.append(row)
-        del delta, step, fused
+def triton_row(runner: CostRunner, variant: str, implementation: str, launches: dict) -> dict:
+    """One variant: the bf16 check of `implementation` against float32 "eager", then the eager training step with
+    "eager" and with `implementation` (one model, the same AdamW) each against the baseline's (its A/A floor is the
+    cost section's, `CostRunner.floor`), then the launches of one profiled step of each. `launches`: each family's
+    baseline launches, profiled once."""
+    family = VARIANTS[variant][0]
+    device = runner.device
+    base = runner.baseline(family)
+    baseline = base["model"].train()
+    delta = build_delta(variant, baseline, "eager").to(device).train()
+    delta.loss_type = "ForCausalLM"
+    ids = runner.ids(baseline.config.vocab_size)
+    row: dict = {
+        "variant": variant,
+        "family": family,
+        "implementations": dict(zip(TRITON_PAIR, ("eager", implementation))),
+    }
+    row["bf16_loss_and_grads"] = guarded(lambda: loss_and_grads_check(delta, ids, implementation))
+
+    def timings() -> dict:
+        delta_step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
+        steps = {"eager": running(delta, "eager", delta_step), "triton": running(delta, implementation, delta_step)}
+        base_step = train_step_fn(baseline, ids, base["optimizer"])
+        for step in (base_step, *steps.values()):  # AdamW's state, Triton's compilation: not timed
+            step()
+            step()
+        pairs = runner.plan["train_pairs"]
+        floor = runner.floor(
+            family, "train_eager", lambda: interleaved(base_step, base_step, pairs, device, warmup=False)
+        )
+        record: dict = {}
+        for name, step in steps.items():
+            timing = interleaved(base_step, step, pairs, device, warmup=False)
+            record[f"train_{name}"] = throughput(timing, floor, ids.numel())
+        record["triton_vs_eager"] = record["train_triton"]["delta_s"] / record["train_eager"]["delta_s"]
+        if family not in launches:
+            launches[family] = step_kernels(base_step, device)
+        record["launches"] = {"baseline": launches[family]}
+        record["launches"].update({name: step_kernels(step, device) for name, step in steps.items()})
+        return record
+
+    row.update(guarded(timings))
+    baseline.eval()
+    return row
+
+
+def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
+    """`delta_implementation="triton"` against `"eager"` for each of `variants` at the cost shape (`triton_row`).
+    Where Triton cannot run on `device`'s tensors (the CPU without Triton's interpreter), "eager" stands in for it:
+    the section's code runs, the rows say what ran, and no number is Triton's."""
+    problem = triton_unavailable(device)
+    implementation = "eager" if problem else "triton"
+    section: dict = {"shape": plan["cost"], "train_pairs": plan["train_pairs"], "triton_ran": not problem, "rows": []}
+    if problem:
+        section["note"] = (
+            f'Triton cannot run here: {problem.rstrip(".")}. "eager" stands in for "triton": this exercises the'
+            " section's code, and no number below is Triton's"
+        )
+    elif device.type != "cuda":
+        section["note"] = (
+            f"Triton's interpreter on {device.type} tensors: its values hold, its times and launches do not"
+        )
+    runner = CostRunner(plan, device, backend="eager")  # eager steps only: its baselines and A/A floors
+    launches: dict = {}
+    for variant in variants:
+        row = guarded(lambda variant=variant: triton_row(runner, variant, implementation, launches))
+        row.setdefault("variant", variant)
+        section["rows"].append(row)
+        section["floors"] = {family: dict(b["floors"]) for family, b in runner.baselines.items()}
         free(device)
-        print(f"update      {variant:20s} {_statuses(row)}", flush=True)
-    return {"backend": backend, "shape": cost, "check_shape": plan["check"], "train_pairs": pairs, "rows": rows}
+        print(f"triton      {variant:20s} {_triton_line(row)}", flush=True)
+    return section
+
+
+def _triton_line(row: dict) -> str:
+    if "train_triton" not in row:
+        return _statuses(row)
+    counts = row["launches"]
+    return (
+        f"eager {row['train_eager']['ratio']:.3f} triton {row['train_triton']['ratio']:.3f} (of the baseline), "
+        f"launches {counts['eager']['kernels']} -> {counts['triton']['kernels']}, {_statuses(row)}"
+    )
 
 
 # --- report ------------------------------------------------------------------------------------------------------
@@ -1009,7 +1103,7 @@ def _records(key: str, label: str, record: dict) -> Iterator[tuple[str, str, dic
 
 def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
     """(section, label, record) of every check with a status."""
-    for key in ("correctness", "sync", "fla", "profile", "compiled_update"):
+    for key in ("correctness", "sync", "fla", "profile", "triton"):
         section = results.get(key) or {}
         if section.get("status") in ("error", "skipped"):
             yield key, "section", section
@@ -1082,6 +1176,11 @@ def _not_run(section: dict) -> list[str]:
     return [f"{section['status'].capitalize()}: {section.get('reason') or section.get('error')}.", ""]
 
 
+def _implementations(rows: list[dict]) -> str:
+    """The implementations `rows` ran ("auto → triton"), in order, without repeats."""
+    return ", ".join(f'"{name}"' for name in dict.fromkeys(row.get("implementation", "?") for row in rows))
+
+
 def markdown(results: dict) -> str:
     info, totals = results["device"], results["summary"]["counts"]
     lines = [
@@ -1103,7 +1202,9 @@ def markdown(results: dict) -> str:
             f"Shape L{c['shape']['n_layer']} D{c['shape']['n_embd']}, batch {c['shape']['batch']} × {c['shape']['seq']}"
             f" tokens. Error = {c['metric']}. Float32 (TF32 off) against the bound {c['fp32_bound_formula']} ="
             f" {c['fp32_bound']:.2e}; bfloat16 against {c['bf16_bound_formula']}. Baseline: GPT-2 (GPT-2 variants)"
-            " or Llama (DeltaLlama) of the same shape and weights; its own error in brackets."
+            " or Llama (DeltaLlama) of the same shape and weights; its own error in brackets. Delta models on the"
+            f" device: `delta_implementation` {_implementations(c['rows'])}; on the CPU (`device vs CPU`'s reference)"
+            " the tensor ops."
             + (" On the CPU, `device vs CPU` compares two CPU runs." if info["device"] == "cpu" else ""),
             "",
             "| variant | device vs CPU fp32 | bf16 autocast | generate cache = no cache | SDPA vs eager | flash-attn 2"
@@ -1155,17 +1256,20 @@ def markdown(results: dict) -> str:
             f" itself (A/A: median [min, max] pair). Training: batch {s['batch']} × {s['seq']}, bf16 autocast, AdamW,"
             f" {cost['train_pairs']} pairs; decoding: {cost['new_tokens']} new tokens after a {s['prompt']}-token"
             f" prompt, {cost['decode_pairs']} pairs; compiled: `torch.compile(fullgraph=True, dynamic=False)`, backend"
-            f" {cost['compile_backend']}, static cache for decoding.",
+            f' {cost["compile_backend"]}, static cache for decoding. Delta models: `delta_implementation="auto"`'
+            " (Triton's op on CUDA), and what it ran.",
             "",
-            "| variant | kind | train step | peak train memory | "
+            "| variant | kind | implementation | train step | peak train memory | "
             + " | ".join(f"decode b={b}" for b in cost["decode_batches"])
             + " |",
-            "|---|---|---|---|" + "---|" * len(cost["decode_batches"]),
+            "|---|---|---|---|---|" + "---|" * len(cost["decode_batches"]),
         ]
         merged: dict[tuple[str, bool], dict] = {}
         for row in cost["rows"]:
             key = (row["variant"], row["compiled"])
             entry = merged.setdefault(key, {})
+            if row.get("implementation"):
+                entry["implementation"] = row["implementation"]
             if row["status"] == "ok":
                 entry.update(_metrics(row))
             else:
@@ -1180,7 +1284,8 @@ def markdown(results: dict) -> str:
                 else entry.get("decode", "-")
                 for b in cost["decode_batches"]
             ]
-            lines.append(f"| {variant} | {kind} | {train} | {memory} | " + " | ".join(decodes) + " |")
+            cells = [variant, kind, entry.get("implementation", "-"), train, memory, *decodes]
+            lines.append("| " + " | ".join(cells) + " |")
         lines += [
             "",
             "Absolute tokens/s (baseline → Delta):",
@@ -1215,13 +1320,15 @@ def markdown(results: dict) -> str:
         lines += heading
         if ran:
             lines += [
-                "| model | wall ms | busy ms | kernels | matmul ms | attention ms | other ms (kernels) |",
-                "|---|---|---|---|---|---|---|",
+                "| model | implementation | wall ms | busy ms | kernels | matmul ms | attention ms |"
+                " other ms (kernels) |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for row in prof["rows"]:
                 c = row["by_class"]
                 lines.append(
-                    f"| {row['model']} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['kernels']} |"
+                    f"| {row['model']} | {row.get('implementation', '-')} | {row['wall_ms']:.1f} |"
+                    f" {row['busy_ms']:.1f} | {row['kernels']} |"
                     f" {c['matmul']['ms']:.1f} | {c['attention']['ms']:.1f} |"
                     f" {c['other']['ms']:.1f} ({c['other']['kernels']}) |"
                 )
@@ -1235,42 +1342,56 @@ def markdown(results: dict) -> str:
                 ]
                 lines += [f"| `{k['name']}` | {k['kernels']} | {k['ms']:.2f} |" for k in row["top_other"]]
             lines.append("")
-    update = results.get("compiled_update") or {}
-    if update:
+    tri = results.get("triton") or {}
+    if tri:
+        s = tri.get("shape")
+        where = f" (L{s['n_layer']} D{s['n_embd']}, batch {s['batch']} × {s['seq']})" if s else ""
         heading, ran = _heading(
-            "The Delta update compiled on its own",
-            "`ddl_hf.compiled_kernels` (opt-in; backend"
-            f" {update.get('backend', '?')}) against the tensor ops. Logits at the check shape under bf16 autocast"
-            f" ({BF16_BOUND_TEXT} of the tensor ops) and in float32 ({FP32_BOUND_TEXT}); the eager bf16 training step"
-            " at the cost shape: compiled update / tensor ops (< 1: faster; A/A: the tensor-ops step against itself),"
-            " and each against GPT-2's step (A/A: GPT-2's against itself).",
-            update,
+            "Triton's Delta residual op against the tensor ops",
+            'Each Delta variant with `delta_implementation="eager"` (the tensor ops) and `"triton"` (one'
+            f" `ddl_hf::delta_residual` op per Delta residual, forward and backward) at the cost shape{where}:"
+            " one eager training step (bf16 autocast, AdamW), ratio = Delta time / baseline's (GPT-2's, or Llama's),"
+            f" median of {tri.get('train_pairs', '?')} interleaved pairs, with the baseline's A/A floor as in the cost"
+            ' section; triton / eager: the two medians. Correctness: the "triton" model\'s bf16-autocast loss and'
+            ' every parameter\'s gradient against the same model in float32 with "eager" (TF32 off), bound'
+            f' {BF16_BOUND_TEXT}, the baseline here being "eager" in bf16 (per parameter; the worst shown).'
+            " Launches: the device's kernels in one profiled step (on the CPU, the profile section's stand-in),"
+            " baseline → eager → triton; op calls: the Triton op's forward calls per step.",
+            tri,
         )
         lines += heading
         if ran:
+            if tri.get("note"):
+                lines += [f"**{tri['note']}.**", ""]
             lines += [
-                "| variant | logits bf16 | logits fp32 | step: compiled / tensor ops | tensor ops / GPT-2 |"
-                " compiled update / GPT-2 |",
-                "|---|---|---|---|---|---|",
+                "| variant | eager / baseline | triton / baseline | triton / eager | bf16 loss | bf16 grads |"
+                " launches | op calls |",
+                "|---|---|---|---|---|---|---|---|",
             ]
-            for row in update["rows"]:
-                check, step = row.get("model_logits") or {}, row.get("train_step") or {}
-                cells = [_cell(check), _cell(check.get("fp32"))]
-                if step.get("status") == "ok":
-                    keys = ("update_vs_tensor_ops", "tensor_ops_vs_gpt2", "update_vs_gpt2")
-                    cells += [_ratio_cell(step[key]) for key in keys]
+            for row in tri["rows"]:
+                check = row.get("bf16_loss_and_grads") or {}
+                cells = [_cell(check.get("loss") or check), _cell(check.get("grads"))]
+                if "train_triton" in row:
+                    counts = row["launches"]
+                    timed = [_ratio_cell(row["train_eager"]), _ratio_cell(row["train_triton"])]
+                    timed.append(f"{row['triton_vs_eager']:.3f}")
+                    kernels = [counts[name]["kernels"] for name in ("baseline", *TRITON_PAIR)]
+                    calls = [counts[name]["triton_op_calls"] for name in TRITON_PAIR]
+                    cells += [" → ".join(map(str, kernels)), " → ".join(map(str, calls))]
                 else:
-                    cells += [_cell(step), "", ""]
-                lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+                    timed = [_cell(row), "", ""]
+                    cells += ["", ""]
+                lines.append(f"| {row['variant']} | " + " | ".join(timed + cells) + " |")
             lines.append("")
     fla = results.get("fla") or {}
     if fla:
         heading, ran = _heading(
             "DeltaNet through fla's kernels",
-            "The registered delta-rule kernel (fla's chunk form for bf16 and T > 1, fused_recurrent otherwise) against"
-            " `delta_rule_recurrent` in float64 on the device (relative error of output and final state; bound: 8 times"
-            " our torch form's error on the same inputs), then a"
-            " DeltaNet DeltaGPT's bf16 training step with fla against the same step in torch (ratio < 1: fla faster).",
+            'The delta-rule kernel of `delta_implementation="triton"` (fla\'s chunk form for bf16 and T > 1,'
+            " fused_recurrent otherwise) against `delta_rule_recurrent` in float64 on the device (relative error of"
+            " output and final state; bound: 8 times our torch form's error on the same inputs), then a DeltaNet"
+            " DeltaGPT with \"triton\" (fla's rule, Triton's op for its Delta residuals) against the same model with"
+            ' "eager": its logits, and its bf16 training step (ratio < 1: "triton" faster).',
             fla,
         )
         lines += heading
@@ -1278,9 +1399,9 @@ def markdown(results: dict) -> str:
             lines += ["| case | rule vs float64 recurrent |", "|---|---|"]
             lines += [f"| {row['case']} | {_cell(row['check'])} |" for row in fla["rows"]]
             model = fla.get("model_logits") or {}
-            lines += [f"| DeltaNet model's logits vs float32 torch: bf16 autocast | {_cell(model)} |"]
-            lines += [f"| DeltaNet model's logits vs float32 torch: float32 | {_cell(model.get('fp32'))} |"]
-            lines += ["", f"Training step, fla / torch: {_ratio_cell(fla.get('train_step_fla_vs_torch'))}", ""]
+            lines += [f"| DeltaNet model's logits vs float32 eager: bf16 autocast | {_cell(model)} |"]
+            lines += [f"| DeltaNet model's logits vs float32 eager: float32 | {_cell(model.get('fp32'))} |"]
+            lines += ["", f"Training step, triton / eager: {_ratio_cell(fla.get('train_step_fla_vs_torch'))}", ""]
     failures = results["summary"]["failures"]
     lines += ["## Failures", ""]
     lines += [f"- {f['section']}: {f['check']}: {f['status']} {_why(f)}" for f in failures] or ["None."]
@@ -1293,22 +1414,25 @@ def markdown(results: dict) -> str:
 FLA_CASES = ((1, torch.float32), (64, torch.float32), (200, torch.float32), (64, torch.bfloat16), (200, torch.bfloat16))
 
 
-def _rule_error(inputs: list[torch.Tensor], dtype: torch.dtype, exact: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """The larger relative error of `delta_rule`'s output and final state in `dtype` against `exact`."""
+def _rule_error(
+    inputs: list[torch.Tensor], dtype: torch.dtype, exact: tuple[torch.Tensor, torch.Tensor], kernel: Callable | None
+) -> float:
+    """The larger relative error of `delta_rule`'s output and final state in `dtype` against `exact`, with `kernel`
+    (a `DeltaKernels.delta_rule`; None: the torch forms)."""
     from ddl_hf.delta_ops import delta_rule
 
-    o, final = delta_rule(*(x.to(dtype) for x in inputs[:4]), initial_state=inputs[4])
+    o, final = delta_rule(*(x.to(dtype) for x in inputs[:4]), initial_state=inputs[4], kernel=kernel)
     return max(rel_err(o.double(), exact[0]), rel_err(final.double(), exact[1]))
 
 
-def fla_rule_errors(device: torch.device, heads: int = 4, d: int = 64) -> list[dict]:
-    """The registered "delta_rule" kernel (fla's chunk form for half precision and T > 1, else fused_recurrent) on
-    random inputs with an initial state, against `delta_rule_recurrent` in float64 on the same device (relative error
-    of the output and the final state). The bound is derived, not guessed: 8 times the error our torch form makes on
-    the same inputs in the same dtype (most of it the inputs' own rounding), at least 1e-6."""
-    from ddl_hf.delta_ops import delta_rule_recurrent, register_kernel, registered_kernel
+def fla_rule_errors(device: torch.device, kernel: Callable, heads: int = 4, d: int = 64) -> list[dict]:
+    """`kernel`, a delta-rule kernel (`delta_implementation="triton"`'s: fla's chunk form for half precision and
+    T > 1, else fused_recurrent), on random inputs with an initial state, against `delta_rule_recurrent` in float64
+    on the same device (relative error of the output and the final state). The bound is derived, not guessed: 8 times
+    the error our torch form makes on the same inputs in the same dtype (most of it the inputs' own rounding), at
+    least 1e-6."""
+    from ddl_hf.delta_ops import delta_rule_recurrent
 
-    kernel = registered_kernel("delta_rule")
     rows = []
     for tokens, dtype in FLA_CASES:
         g = torch.Generator(device="cpu").manual_seed(tokens)
@@ -1318,80 +1442,67 @@ def fla_rule_errors(device: torch.device, heads: int = 4, d: int = 64) -> list[d
         state = torch.randn(2, heads, d, d, generator=g) * 0.1
         inputs = [x.to(device) for x in (q, k, v, beta, state)]
         exact = delta_rule_recurrent(*(x.double() for x in inputs[:4]), inputs[4].double())
-        error = _rule_error(inputs, dtype, exact)
-        register_kernel("delta_rule", None)
-        try:
-            ours = _rule_error(inputs, dtype, exact)
-        finally:
-            register_kernel("delta_rule", kernel)
+        error = _rule_error(inputs, dtype, exact, kernel)
+        ours = _rule_error(inputs, dtype, exact, None)
         bound = max(8 * ours, 1e-6)
         record = {"status": passed(error <= bound), "error": error, "bound": bound, "torch_error": ours}
         rows.append({"case": f"T={tokens} {str(dtype).removeprefix('torch.')}", "check": record})
     return rows
 
 
-def kernel_model_check(model: PreTrainedModel, ids: torch.Tensor, op: str, kernel: object) -> dict:
-    """`model`'s logits with `kernel` registered for `op` against the same model in float32 with the tensor ops:
-    under bf16 autocast (bound: BF16_FACTOR times the tensor ops' own bf16 error, at least bf16's eps, the rule the
-    correctness section applies to every variant) and in float32 (`fp32`: the float32 bound of the model's shape).
-    What an op-level comparison cannot see, the model's own inputs to the kernel (dtypes, layouts, a state carried
-    between chunks), these see."""
-    from ddl_hf.delta_ops import register_kernel, registered_kernel
-
-    before = registered_kernel(op)
-    register_kernel(op, None)
-    try:
+def implementation_model_check(model: PreTrainedModel, ids: torch.Tensor, implementation: str) -> dict:
+    """`model`'s logits with `implementation` against the same model in float32 with "eager" (the tensor ops): under
+    bf16 autocast (bound: BF16_FACTOR times "eager"'s own bf16 error, at least bf16's eps, the rule the correctness
+    section applies to every variant) and in float32 (`fp32`: the float32 bound of the model's shape). What an
+    op-level comparison cannot see, the model's own inputs to the kernels (dtypes, layouts, a state carried between
+    chunks), these see. The model runs the implementation it had before afterwards."""
+    with delta_implementation(model, "eager"):
         with exact_fp32():
             reference = logits_of(model, ids)
-        tensor_bf16 = rel_err(logits_of(model, ids, bf16=True), reference)
-        register_kernel(op, kernel)
+        eager_bf16 = rel_err(logits_of(model, ids, bf16=True), reference)
+    with delta_implementation(model, implementation):
         error = rel_err(logits_of(model, ids, bf16=True), reference)
         with exact_fp32():
             fp32_error = rel_err(logits_of(model, ids), reference)
-    finally:
-        register_kernel(op, before)
-    bound = BF16_FACTOR * max(tensor_bf16, EPS_BF16)
+    bound = BF16_FACTOR * max(eager_bf16, EPS_BF16)
     shape = {"n_layer": model.config.num_hidden_layers, "n_embd": model.config.hidden_size}
     return {
         "status": passed(error <= bound),
         "error": error,
         "bound": bound,
-        "torch_error": tensor_bf16,
+        "torch_error": eager_bf16,
+        "implementation": implementation,
         "fp32": {"status": passed(fp32_error <= fp32_bound(shape)), "error": fp32_error, "bound": fp32_bound(shape)},
     }
 
 
 def fla_section(plan: dict, device: torch.device) -> dict:
-    """fla's kernels against our torch forms on the device: the rule's numbers, then a DeltaNet model's bf16
-    training step with the kernels registered against the same step in torch (ratio < 1: fla is faster)."""
-    from ddl_hf.delta_ops import register_kernel, registered_kernel
+    """fla's kernels against our torch forms on the device: the rule's numbers, then a DeltaNet model with
+    `delta_implementation="triton"` (fla's delta rule, and Triton's op for its Delta residuals) against the same
+    model with "eager": its logits, and its bf16 training step (ratio < 1: "triton" is faster)."""
+    from ddl_hf.delta_ops import delta_kernels
     from ddl_hf.fla_kernels import fla_available
 
     if device.type != "cuda":
         return {"status": "skipped", "reason": "fla's kernels run on CUDA only"}
-    if not fla_available() or registered_kernel("delta_rule") is None:
+    if not fla_available():
         return {"status": "skipped", "reason": "fla is not installed (pip install 'ddl-hf[fla]')"}
-    section = {"rows": fla_rule_errors(device)}
-    kernel = registered_kernel("delta_rule")
+    if problem := triton_unavailable(device):
+        return {"status": "skipped", "reason": problem}
+    section = {"rows": fla_rule_errors(device, delta_kernels("triton", torch.empty(0, device=device)).delta_rule)}
     config = base_config("gpt2", plan["cost"]).to_dict()
     fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
     torch.manual_seed(1)
-    model = DeltaGPTForCausalLM(DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net")).to(device).train()
+    delta_config = DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net", delta_implementation="eager")
+    model = DeltaGPTForCausalLM(delta_config).to(device).train()
     model.loss_type = "ForCausalLM"
     ids = random_ids(model.config.vocab_size, plan["cost"]["batch"], plan["cost"]["seq"], seed=5).to(device)
-    section["model_logits"] = guarded(lambda: kernel_model_check(model, ids[:2], "delta_rule", kernel))
+    section["model_logits"] = guarded(lambda: implementation_model_check(model, ids[:2], "triton"))
     step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-    def torch_step() -> None:
-        register_kernel("delta_rule", None)
-        try:
-            step()
-        finally:
-            register_kernel("delta_rule", kernel)
-
+    torch_step, fla_step = (running(model, implementation, step) for implementation in TRITON_PAIR)
     pairs = plan["train_pairs"]
     floor = interleaved(torch_step, torch_step, pairs, device)
-    timing = interleaved(torch_step, step, pairs, device)
+    timing = interleaved(torch_step, fla_step, pairs, device)
     section["train_step_fla_vs_torch"] = {**timing, "aa_floor": floor, "status": "ok"}
     return section
 
@@ -1412,7 +1523,7 @@ def device_info(device: torch.device) -> dict:
     else:
         info["name"] = cpu_model()
     packages = {}
-    for package in ("triton", "accelerate", "peft", "flash_attn", "flash_attn_3", "datasets"):
+    for package in ("triton", "fla-core", "accelerate", "peft", "flash_attn", "flash_attn_3", "datasets"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             packages[package] = importlib.metadata.version(package)
     info["packages"] = packages
@@ -1424,7 +1535,7 @@ SECTIONS = (
     "sync",
     "fla",
     "profile",
-    "compiled_update",
+    "triton",
     "cost",
 )  # cost last: its budget guard drops what is left
 
@@ -1479,9 +1590,9 @@ def main(argv: list[str] | None = None) -> dict:
         elif name == "fla":
             run = lambda: fla_section(plan, device)  # noqa: E731
         elif name == "profile":
-            run = lambda: profile_section(plan, device, backend)  # noqa: E731
-        elif name == "compiled_update":
-            run = lambda: compiled_update_section(plan, device, backend)  # noqa: E731
+            run = lambda: profile_section(plan, device)  # noqa: E731
+        elif name == "triton":
+            run = lambda: triton_section(plan, device, args.variants)  # noqa: E731
         else:
             run = lambda: cost_section(  # noqa: E731
                 plan, device, backend, (args.variants, compiled), start, args.budget_s, save

@@ -33,7 +33,6 @@ from .delta_layers import DeltaResidual
 from .delta_net import DeltaNetAttention, DeltaNetCache
 from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
 from .delta_reads import DeltaRead, DeltaStateCache
-from .fla_kernels import enable_fla_kernels, fla_available
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
     DeltaGPTForSequenceClassification,
@@ -83,9 +82,6 @@ for _auto_class, _model_class in ((AutoModel, DeltaLlamaModel), (AutoModelForCau
     _model_class.register_for_auto_class(_auto_class.__name__)
 register_peft_targets_on_import(DeltaLlamaConfig.model_type)
 
-# DeltaNet on CUDA: flash-linear-attention's kernels where installed (imported on the first CUDA call).
-if fla_available():
-    enable_fla_kernels()
 
 __all__ = [
     "ConversionError",

@@ -2,10 +2,10 @@
 
 `fla` (the `fla-core` package) is the field's library for the delta rule: Triton kernels for the chunked form
 (`chunk_delta_rule`, half precision) and the recurrent one (`fused_recurrent_delta_rule`), with their own backward.
-`import ddl_hf` registers them with `delta_ops`' "delta_rule" entry point when fla is installed (found, not imported:
-fla and Triton load on the first CUDA call). They run where they apply, as transformers' Qwen3-Next uses fla's gated
-delta rule: CUDA tensors, outside `torch.compile` (inductor compiles the torch form into its own kernels there). The
-torch forms run everywhere else, and on CUDA without fla `delta_ops.delta_rule` warns once.
+A DeltaNet model runs them with `delta_implementation="auto"` (the default) or `"triton"` where fla is installed
+(`ddl_hf.kernels`; found, not imported: fla and Triton load on the first call), as transformers' Qwen3-Next uses fla's
+gated delta rule: CUDA tensors, outside `torch.compile` (inductor compiles the torch form into its own kernels there).
+The torch forms run everywhere else, and on CUDA without fla `delta_ops.delta_rule` warns once.
 
 The mapping (`fla_delta_rule`), ours -> fla: q, k, v `[B, H, T, d]` -> `[B, T, H, d]`; beta `[B, H, T]` ->
 `[B, T, H]`; the state `[B, H, d_v, d_k]` (o = S q) -> fla's `[B, H, K, V]` (its transpose); `scale=1` (DeltaNet's
@@ -22,8 +22,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-
-from .delta_ops import DeltaKernel, register_kernel
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -48,8 +46,9 @@ def fla_delta_rule(
     the boundaries would read the mask), and packed rows in half precision (fla's chunked form counts its chunks per
     document on the host: one sync per layer). Packed rows with their `cu_seqlens` (one row of documents, as
     `DataCollatorWithFlattening` gives them, no carried state) in float32, or one token, run fla's varlen recurrent
-    form, which reads the boundaries on the device."""
-    if not erase:
+    form, which reads the boundaries on the device. Declined under `torch.compile` too: inductor compiles the torch
+    form there."""
+    if not erase or torch.compiler.is_compiling():
         return None
     chunked = v.dtype in HALF and q.shape[2] > 1
     varlen = {}
@@ -72,18 +71,4 @@ def fla_delta_rule(
     return o.transpose(1, 2), state.transpose(-1, -2)
 
 
-def applies(x: torch.Tensor) -> bool:
-    return x.is_cuda and not torch.compiler.is_compiling()
-
-
-def enable_fla_kernels() -> None:
-    """Register fla's kernels with the DeltaNet rule (what `import ddl_hf` does when fla is installed)."""
-    register_kernel("delta_rule", DeltaKernel(fla_delta_rule, None, applies))
-
-
-def disable_fla_kernels() -> None:
-    """Back to the torch forms of the delta rule."""
-    register_kernel("delta_rule", None)
-
-
-__all__ = ["disable_fla_kernels", "enable_fla_kernels", "fla_available", "fla_delta_rule"]
+__all__ = ["fla_available", "fla_delta_rule"]

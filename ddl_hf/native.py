@@ -2,12 +2,11 @@
 state, forward and backward, and a residual's whole inference step (gate, value, update) in one call
 (`csrc/training.cpp`), where the tensor ops make several (docs/performance.md has what they save).
 
-They register with the ops' entry points in `delta_ops` (`register_kernel`), process-wide, and run where they apply:
-CPU float32 / float64 tensors outside compile, export and jit tracing; everywhere else the tensor ops run. The model
-code never sees them, and a model gives the same values with or without them (tests/ops/test_native_kernels.py):
+A model runs them when its config says `delta_implementation="native"` (`ddl_hf.kernels`), where they apply: CPU
+float32 / float64 tensors outside compile, export and jit tracing; everywhere else the tensor ops run. A model gives
+the same values with or without them (tests/ops/test_native_kernels.py):
 
-    from ddl_hf.native import enable_native_kernels
-    enable_native_kernels()   # every Delta update and TC read in this process, training and generation
+    model = AutoModelForCausalLM.from_pretrained(path, delta_implementation="native")
 
 The extension is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja: `pip install
 ninja`; ~30 s once, then cached by torch in `TORCH_EXTENSIONS_DIR`).
@@ -23,10 +22,9 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _torch_module
 
-from .delta_ops import DeltaKernel, ResidualWeights, register_kernel
+from .delta_ops import DeltaKernel, DeltaKernels, ResidualWeights
 
 _SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
-NATIVE_OPS = ("delta_update", "tc_read", "residual_step")  # the ops these kernels take
 _FLAGS = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised loops, no OpenMP runtime
 _kernels: Any = None
 
@@ -104,24 +102,23 @@ def _step_applies(x: torch.Tensor) -> bool:
 def _residual_step(
     state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The "residual_step" kernel (`delta_ops.residual_step`): `(new_state, beta)`, or None where the tensors are not
-    all on the CPU in the state's float32 / float64 dtype (checked in the kernel)."""
+    """The inference step (`DeltaKernels.residual_step`): `(new_state, beta)`, or None where it does not apply
+    (`_step_applies`) or the tensors are not all on the CPU in the state's float32 / float64 dtype (checked in the
+    kernel)."""
+    if not _step_applies(state):
+        return None
     return _kernels.residual_step(state, c, h, x, *weights)
 
 
-def enable_native_kernels(verbose: bool = False) -> None:
-    """Register the native kernels with `delta_ops`' entry points: every Delta update and TC read of every model in
-    this process runs them where they apply (`_applies`), and, without autograd (generation), each Delta residual's
-    gate, value and update run as one call (`residual_step`).
+def native_kernels(verbose: bool = False) -> DeltaKernels:
+    """The native kernels as `delta_implementation="native"` runs them: the Delta write and the TC read (training and
+    generation, where they apply: `_applies`) and, without autograd (generation), each Delta residual's gate, value
+    and update as one call (`residual_step`).
 
     Raises `NativeKernelUnavailable` (naming what is missing) where they cannot be built."""
     kernels = load_training_kernels(verbose)
-    register_kernel("delta_update", DeltaKernel(kernels.delta_update_forward, kernels.delta_update_backward, _applies))
-    register_kernel("tc_read", DeltaKernel(kernels.tc_read_forward, kernels.tc_read_backward, _applies))
-    register_kernel("residual_step", DeltaKernel(_residual_step, None, _step_applies))
-
-
-def disable_native_kernels() -> None:
-    """Back to the tensor ops for every Delta update and TC read."""
-    for op in NATIVE_OPS:
-        register_kernel(op, None)
+    return DeltaKernels(
+        residual_step=_residual_step,
+        delta_update=DeltaKernel(kernels.delta_update_forward, kernels.delta_update_backward, _applies),
+        tc_read=DeltaKernel(kernels.tc_read_forward, kernels.tc_read_backward, _applies),
+    )

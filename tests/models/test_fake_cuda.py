@@ -8,11 +8,13 @@ no GPU; elsewhere it is skipped. Each model runs a training forward with its los
 and a prefill plus one cached decoding step; GPT2LMHeadModel and LlamaForCausalLM run the same calls as controls.
 
 What this cannot check: the backward (autograd's engine needs a real device context), real kernels (a fake tensor
-runs none, so fla's Triton kernels are left out here: the DeltaNet mixer runs its torch form), and numbers.
+runs none, so the Delta models run `delta_implementation="eager"`, the tensor ops, rather than "auto"'s Triton op and
+fla's rule; which kernels "auto" asks for on CUDA is checked with stand-ins that decline), and numbers.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
@@ -25,8 +27,10 @@ from test_no_host_sync import delta_llama, llama_model
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+import ddl_hf.fla_kernels as fla_kernels
+import ddl_hf.kernels as backends
+from ddl_hf import delta_ops
 from ddl_hf.delta_compat import CACHE_ARG, cache_of
-from ddl_hf.delta_ops import register_kernel, registered_kernel
 
 
 def fake_cuda_problem() -> str | None:
@@ -51,31 +55,28 @@ pytestmark = [
 
 BATCH, LENGTH = 2, 8
 
+
+def eager(model):
+    """`model` running the tensor ops: "auto"'s kernels on CUDA (Triton's op, fla's rule) cannot run on fake tensors."""
+    model.set_delta_implementation("eager")
+    return model
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "control-gpt2": gpt2_model,
     "control-llama": llama_model,
-    "delta_gpt-additive-dv1": lambda: delta_model(**CLIENT_VARIANTS["additive-dv1"]),
-    "delta_gpt-paper-dv4-tc": lambda: delta_model(
-        delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv"
+    "delta_gpt-additive-dv1": lambda: eager(delta_model(**CLIENT_VARIANTS["additive-dv1"])),
+    "delta_gpt-paper-dv4-tc": lambda: eager(
+        delta_model(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv")
     ),
-    "delta_gpt-dv4-cc-ec": lambda: delta_model(
-        delta_value_channels=4, delta_state_read="channel_conv", delta_embed_expand="conv"
+    "delta_gpt-dv4-cc-ec": lambda: eager(
+        delta_model(delta_value_channels=4, delta_state_read="channel_conv", delta_embed_expand="conv")
     ),
-    "delta_gpt-reference-tc-dv4": lambda: delta_model(**CLIENT_VARIANTS["reference-tc-dv4"]),  # sigmoid v, shared read
-    "delta_gpt-delta_net-dv1": lambda: delta_model(**CLIENT_VARIANTS["delta_net-dv1"]),
-    "delta_llama-dv4-tc": lambda: delta_llama(delta_value_channels=4, delta_state_read="temporal_conv"),
+    # sigmoid v, shared read
+    "delta_gpt-reference-tc-dv4": lambda: eager(delta_model(**CLIENT_VARIANTS["reference-tc-dv4"])),
+    "delta_gpt-delta_net-dv1": lambda: eager(delta_model(**CLIENT_VARIANTS["delta_net-dv1"])),
+    "delta_llama-dv4-tc": lambda: eager(delta_llama(delta_value_channels=4, delta_state_read="temporal_conv")),
 }
-
-
-@contextlib.contextmanager
-def torch_delta_rule() -> Iterator[None]:
-    """The DeltaNet rule in its torch form: a registered kernel (fla's, where installed) cannot run on fake tensors."""
-    kernel = registered_kernel("delta_rule")
-    register_kernel("delta_rule", None)
-    try:
-        yield
-    finally:
-        register_kernel("delta_rule", kernel)
 
 
 @contextlib.contextmanager
@@ -110,7 +111,7 @@ def model(request) -> torch.nn.Module:
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
 def test_a_training_forward_runs_on_cuda_tensors_only(model, autocast):
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with torch_delta_rule(), mode:
+    with mode:
         state = on_cuda(model, mode)
         ids = torch.randint(1, 90, (BATCH, LENGTH), device="cuda")
         with cuda_autocast(autocast) if autocast else contextlib.nullcontext():
@@ -124,7 +125,7 @@ def test_a_training_forward_runs_on_cuda_tensors_only(model, autocast):
 
 def test_a_prefill_and_a_cached_decoding_step_run_on_cuda_tensors_only(model):
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with torch_delta_rule(), mode, torch.no_grad():
+    with mode, torch.no_grad():
         state = on_cuda(model, mode)
         ids = torch.randint(1, 90, (BATCH, LENGTH), device="cuda")
         mask = torch.ones(BATCH, LENGTH + 1, dtype=torch.long, device="cuda")
@@ -137,3 +138,35 @@ def test_a_prefill_and_a_cached_decoding_step_run_on_cuda_tensors_only(model):
         )
     assert step.logits.shape == (BATCH, 1, model.config.vocab_size)
     assert devices(prefill) == devices(step) == {"cuda"}
+
+
+def test_a_delta_net_model_on_cuda_asks_auto_for_flas_rule_and_tritons_residual_op(monkeypatch):
+    """ "auto" (the default) on CUDA tensors: each DeltaNet layer hands its delta rule to fla's kernel where fla is
+    installed, and each Delta residual to Triton's op where Triton imports (`ddl_hf.kernels`). Stand-ins for the two
+    record the calls and decline (a fake tensor runs no kernel), so the torch forms run, on CUDA tensors only."""
+    asked = collections.Counter()
+
+    def declining(name: str):
+        def kernel(*args):
+            asked[name] += 1
+            return None
+
+        return kernel
+
+    monkeypatch.setattr(fla_kernels, "fla_delta_rule", declining("delta_rule"))
+    triton = backends.triton_problem() is None
+    if triton:
+        import ddl_hf.triton_delta as triton_delta
+
+        monkeypatch.setattr(triton_delta, "residual", declining("residual"))
+    monkeypatch.setattr(delta_ops, "_CHOSEN", {})  # chosen afresh, from the stand-ins
+    model = delta_model(**CLIENT_VARIANTS["delta_net-dv1"]).eval()
+    assert model.config.delta_implementation == "auto"
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        state = on_cuda(model, mode)
+        ids = torch.randint(1, 90, (BATCH, LENGTH), device="cuda")
+        out = torch.func.functional_call(model, state, (), {"input_ids": ids, "labels": ids})
+    assert devices(out) == {"cuda"} and out.loss.requires_grad
+    assert asked["delta_rule"] == (model.config.n_layer if fla_kernels.fla_available() else 0)
+    assert asked["residual"] == (len(model.delta_residuals()) if triton else 0)

@@ -2,10 +2,11 @@
 
 What a CPU can check: the argument mapping, numerically, through Triton's interpreter (`TRITON_INTERPRET=1`, set
 before Triton is imported, hence a subprocess) for fla's recurrent kernel, against our recurrent reference; which
-kernel is chosen and with what arguments (a stub fla); the entry point's dispatch and fallback; the registration on
-`import ddl_hf`. What it cannot: fla's chunked kernel (it needs a GPU driver even under the interpreter: it is called
-with the recurrent kernel's arguments, checked here with the stub) and any speed (`checks/gpu_check.py` on a
-device).
+kernel is chosen and with what arguments (a stub fla); the entry point's dispatch and fallback; that "auto" and
+"triton" on CUDA resolve fla's rule where fla is installed (`ddl_hf.kernels.kernels_for`) and that a DeltaNet model
+hands its implementation's rule to the entry point. What it cannot: fla's chunked kernel (it needs a GPU driver even
+under the interpreter: it is called with the recurrent kernel's arguments, checked here with the stub) and any speed
+(`checks/gpu_check.py` on a device). tests/models/test_fake_cuda.py runs a DeltaNet model on fake CUDA tensors.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import pytest
 import torch
 from builders import delta_model
 
-from ddl_hf import delta_ops
-from ddl_hf.delta_ops import DeltaKernel, delta_rule, delta_rule_chunkwise, register_kernel, registered_kernel
+import ddl_hf.kernels as backends
+from ddl_hf import delta_ops, fla_kernels
+from ddl_hf.delta_ops import TENSOR_OPS, DeltaKernels, delta_rule, delta_rule_chunkwise
 from ddl_hf.fla_kernels import fla_available, fla_delta_rule
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,11 +47,19 @@ def inputs(seq_len: int, dtype=torch.float32, seed: int = 0) -> dict[str, torch.
     )
 
 
-@pytest.fixture
-def restore_delta_rule_kernel():
-    before = registered_kernel("delta_rule")
-    yield
-    register_kernel("delta_rule", before)
+def auto_runs_rule(monkeypatch, rule) -> None:
+    """A model with "auto" on the CPU hands `rule` to the delta rule, as "auto" on CUDA hands it fla's: `kernels_for`
+    answers with it (every other implementation and device as before), and the cache of chosen kernels starts empty
+    and is put back after the test."""
+    chosen = backends.kernels_for
+
+    def kernels_for(implementation: str, device_type: str) -> DeltaKernels:
+        if (implementation, device_type) == ("auto", "cpu"):
+            return DeltaKernels(delta_rule=rule)
+        return chosen(implementation, device_type)
+
+    monkeypatch.setattr(backends, "kernels_for", kernels_for)
+    monkeypatch.setattr(delta_ops, "_CHOSEN", {})
 
 
 PACKED_SCRIPT = """
@@ -236,32 +246,26 @@ def test_one_packed_row_with_its_boundaries_takes_flas_varlen_recurrent_form(stu
     assert state.shape == (1, 2, 8, 16) and bool((state == 1).all())  # the second (last) document's state
 
 
-def test_the_entry_point_runs_a_kernel_that_applies_and_falls_back_when_it_declines(restore_delta_rule_kernel):
+def test_the_entry_point_runs_the_kernel_it_is_given_and_falls_back_when_it_declines():
     x = inputs(7)
     state = x.pop("initial_state")
     calls = []
 
     def declining(*args):
-        calls.append("declined")
+        calls.append(len(args))
         return None
 
-    register_kernel("delta_rule", DeltaKernel(declining, None, lambda t: True))
     expected = delta_rule_chunkwise(**x, chunk_size=4, initial_state=state)
-    result = delta_rule(**x, chunk_size=4, initial_state=state)
-    assert calls == ["declined"] and all(torch.equal(a, b) for a, b in zip(result, expected))
-
+    result = delta_rule(**x, chunk_size=4, initial_state=state, kernel=declining)
+    assert calls == [8] and all(torch.equal(a, b) for a, b in zip(result, expected))  # the 8 arguments of the kernel
     answer = (torch.zeros(1), torch.ones(1))
-    register_kernel("delta_rule", DeltaKernel(lambda *args: answer, None, lambda t: True))
-    assert delta_rule(**x, chunk_size=4, initial_state=state) is answer
-    register_kernel("delta_rule", DeltaKernel(lambda *args: pytest.fail("ran where it does not apply"), None, never))
+    assert delta_rule(**x, chunk_size=4, initial_state=state, kernel=lambda *args: answer) is answer
     assert all(torch.equal(a, b) for a, b in zip(delta_rule(**x, chunk_size=4, initial_state=state), expected))
 
 
-def never(tensor: torch.Tensor) -> bool:
-    return False
-
-
-def test_the_delta_net_mixer_calls_the_entry_point_once_per_layer(restore_delta_rule_kernel):
+def test_the_delta_net_mixer_hands_its_models_rule_to_the_entry_point_once_per_layer(monkeypatch):
+    """The rule of the model's implementation ("auto" here) is called once per layer; a kernel that declines leaves
+    the logits as they were. Set to "eager", the model never asks for one."""
     counted = []
 
     def spy(*args):
@@ -271,8 +275,11 @@ def test_the_delta_net_mixer_calls_the_entry_point_once_per_layer(restore_delta_
     model = delta_model(token_mixer="delta_net", delta_net_chunk_size=4)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     with torch.no_grad():
+        model.set_delta_implementation("eager")
         expected = model(ids).logits
-        register_kernel("delta_rule", DeltaKernel(spy, None, lambda t: True))
+        auto_runs_rule(monkeypatch, spy)
+        assert torch.equal(model(ids).logits, expected) and not counted  # "eager": no kernel asked
+        model.set_delta_implementation("auto")
         logits = model(ids).logits
     assert len(counted) == model.config.n_layer and torch.equal(logits, expected)
 
@@ -285,17 +292,32 @@ def test_without_a_kernel_cuda_warns_once(monkeypatch):
     assert len(seen) == 1
 
 
-def test_import_ddl_hf_registers_fla_where_it_is_installed():
-    kernel = registered_kernel("delta_rule")
-    if fla_available():
-        assert kernel is not None and kernel.forward is fla_delta_rule
-        assert not kernel.applies(torch.zeros(1))  # never on the CPU
+@pytest.mark.parametrize("fla", [True, False], ids=["fla", "no-fla"])
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])
+def test_auto_and_triton_on_cuda_run_flas_rule_where_it_is_installed(monkeypatch, fla, triton):
+    """What a DeltaNet model on a GPU runs (`kernels_for`, which a model's first forward on a device type asks):
+    fla's rule under "auto" and "triton" where fla is installed, none without it; never under "eager" or on the CPU
+    ("auto" there is the tensor ops). Where Triton imports, "auto" on CUDA is "triton" (with Triton's op for the
+    Delta residuals); without it "triton" is an error and "auto" keeps fla's rule alone. Whether each is installed
+    is what `fla_available` and `triton_problem` say (set here)."""
+    if triton and backends.triton_problem() is not None:
+        pytest.skip(backends.triton_problem())
+    monkeypatch.setattr(fla_kernels, "fla_available", lambda: fla)
+    if not triton:
+        monkeypatch.setattr(backends, "triton_problem", lambda: "Triton is not installed")
+    auto = backends.kernels_for("auto", "cuda")
+    assert auto.delta_rule is (fla_delta_rule if fla else None)
+    if triton:
+        assert backends.kernels_for("triton", "cuda") == auto and auto.residual is not None
     else:
-        assert kernel is None
-    # that `import ddl_hf` imports neither fla nor Triton: tests/integrations/test_cli_light.py (a fresh interpreter)
+        assert auto.residual is None
+        with pytest.raises(backends.DeltaImplementationUnavailable, match="'triton' cannot run here: Triton is not"):
+            backends.kernels_for("triton", "cuda")
+    assert backends.kernels_for("eager", "cuda") == TENSOR_OPS
+    assert backends.kernels_for("auto", "cpu") == TENSOR_OPS
 
 
-def test_a_packed_batch_hands_its_boundaries_to_the_kernel(restore_delta_rule_kernel):
+def test_a_packed_batch_hands_its_boundaries_to_the_kernel(monkeypatch):
     """`DataCollatorWithFlattening`'s row: position_ids restarting per document and `cu_seq_lens_q`; the mixer passes
     the boundaries on with the starts (a kernel that declines leaves the logits as they were)."""
     seen = []
@@ -310,8 +332,10 @@ def test_a_packed_batch_hands_its_boundaries_to_the_kernel(restore_delta_rule_ke
     cu_seqlens = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
     packed = dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, use_cache=False)
     with torch.no_grad():
+        model.set_delta_implementation("eager")
         expected = model(ids, **packed).logits
-        register_kernel("delta_rule", DeltaKernel(spy, None, lambda t: True))
+        auto_runs_rule(monkeypatch, spy)
+        model.set_delta_implementation("auto")
         logits = model(ids, **packed).logits
     assert torch.equal(logits, expected) and len(seen) == model.config.n_layer
     for starts, boundaries in seen:

@@ -115,8 +115,9 @@ def test_straight_through_clamp_value_and_gradient():
     assert torch.equal(grad, torch.ones_like(x))
 
 
-def readable_update(state, h, beta, value, eps, additive, erase=True):
-    """`fused_delta_update`'s readable reference: `delta_update(state, unit_direction(h, eps), ...)`."""
+def readable_update(state, h, beta, value, eps, additive, erase=True, kernel=None):
+    """`fused_delta_update`'s readable reference: `delta_update(state, unit_direction(h, eps), ...)` (a kernel, which
+    the models given here never choose, is not run)."""
     beta = beta.squeeze(-1) if beta.dim() == h.dim() else beta  # [..., 1] -> [...]
     return delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)
 

@@ -61,6 +61,7 @@ def test_a_quick_run_writes_every_row_with_its_breakdown_and_provenance(tmp_path
     bench.main(["--quick", "--variants", "1:additive", "4:paper", "--profile", "--no-native", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "decode_step_quick.json").read_text())
     assert results["provenance"]["command"].startswith("python benchmarks/bench_decode_step.py --quick")
+    assert not results["native"] and results["delta_implementation"] == "eager"
     assert [(r["value_channels"], r["mode"]) for r in results["rows"]] == [(1, "additive"), (4, "paper")]
     for row in results["rows"]:
         assert row["ratio"]["ci_low"] <= row["ratio"]["median"] <= row["ratio"]["ci_high"]
@@ -77,49 +78,51 @@ def test_a_variant_is_d_v_and_mode():
         bench.parse_variant("4-paper")
 
 
-def test_the_without_kernel_steps_never_reach_the_kernel():
-    """A spy kernel (it declines every residual, so the tensor ops still decode): the Delta stepper's steps call it,
-    the `WithoutKernel` copy's steps never do, and the spy is registered again after them."""
-    from ddl_hf.delta_ops import DeltaKernel, register_kernel, registered_kernel
+def test_the_without_kernel_copy_runs_the_tensor_ops_and_the_delta_model_its_native_kernels(monkeypatch):
+    """`--without-kernel`: the Delta model runs `delta_implementation="native"`, its copy "eager". Counted at the
+    native extension: the Delta stepper's steps call its whole-residual step once per residual, the copy's never, and
+    both decode the same logits; the copy's setting leaves the Delta model's alone (kernels are chosen per model)."""
+    import ddl_hf.native as native
 
-    calls = []
-    spy = DeltaKernel(forward=lambda *args: calls.append(1), backward=None, applies=lambda state: True)
+    if native.native_build_problem() is not None:
+        pytest.skip(f"the native kernels cannot be built here: {native.native_build_problem()}")
+    kernels, calls = native.load_training_kernels(), []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def residual_step(self, *args):
+            calls.append(1)
+            return kernels.residual_step(*args)
+
+    monkeypatch.setattr(native, "_kernels", Counting())
     prompt = torch.randint(0, SHAPES["tiny"]["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(4))
-    _, delta = build_pair(SHAPES["tiny"], 4, "paper")
-    before = registered_kernel("residual_step")
-    register_kernel("residual_step", spy)
-    try:
-        with_kernel, without = (
-            bench.Stepper(delta, prompt),
-            bench.WithoutKernel(bench.Stepper(delta, prompt), "residual_step"),
-        )
-        calls.clear()  # the prompts' forwards
-        without.step()
-        assert calls == [] and registered_kernel("residual_step") is spy
-        with_kernel.step()
-        assert len(calls) == 2 * delta.config.n_layer  # one per residual: attention and MLP of every layer
-    finally:
-        register_kernel("residual_step", before)
+    _, delta = build_pair(SHAPES["tiny"], 4, "paper", implementation="native")
+    with_kernels, without = bench.Stepper(delta, prompt), bench.without_kernels(delta, prompt)
+    assert delta.config.delta_implementation == "native" and without.model.config.delta_implementation == "eager"
+    calls.clear()  # the prompts' forwards
+    plain = without.step()
+    assert calls == []
+    torch.testing.assert_close(with_kernels.step(), plain, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 * delta.config.n_layer  # one per residual: attention and MLP of every layer
 
 
 @pytest.mark.slow
-def test_a_kernel_is_taken_away_only_for_its_own_steps_and_put_back(tmp_path):
-    """`--without-kernel`: a copy of the Delta model steps with the kernel unregistered, the kernel is registered
-    again after each of its steps, and the row reports both ratios; compiled, the option is refused."""
-    from ddl_hf.delta_ops import registered_kernel
-    from ddl_hf.native import disable_native_kernels, native_build_problem
+def test_without_kernel_times_a_tensor_ops_copy_in_the_same_rounds(tmp_path):
+    """`--without-kernel` (an op name as before: kernels are chosen per model now, so the copy runs "eager"): the row
+    reports both ratios and says which kernels were taken away; compiled, the option is refused."""
+    from ddl_hf.native import native_build_problem
 
     if native_build_problem() is not None:
         pytest.skip(f"the native kernels cannot be built here: {native_build_problem()}")
-    try:
-        results = bench.main(
-            ["--quick", "--variants", "4:paper", "--without-kernel", "residual_step", "--out", str(tmp_path)]
-        )
-        assert registered_kernel("residual_step") is not None
-        row = results["rows"][0]
-        assert row["without_kernel"] == "residual_step" and row["kernel_ratio"]["median"] > 0
-        assert "| tiny | 4 | paper | `residual_step` |" in (tmp_path / "decode_step_quick.md").read_text()
-    finally:
-        disable_native_kernels()
+    results = bench.main(
+        ["--quick", "--variants", "4:paper", "--without-kernel", "residual_step", "--out", str(tmp_path)]
+    )
+    assert results["native"] and results["delta_implementation"] == "native"
+    row = results["rows"][0]
+    assert row["without_kernel"] == "native" and row["kernel_ratio"]["median"] > 0 and row["without_ratio"]["median"]
+    text = (tmp_path / "decode_step_quick.md").read_text()
+    assert "| tiny | 4 | paper | `native` |" in text and 'delta_implementation="eager"' in text
     with pytest.raises(SystemExit):
-        bench.main(["--quick", "--compiled", "--without-kernel", "residual_step", "--out", str(tmp_path)])
+        bench.main(["--quick", "--compiled", "--without-kernel", "--out", str(tmp_path)])
