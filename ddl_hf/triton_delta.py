@@ -1,0 +1,575 @@
+"""A whole Delta residual as one op, forward and backward, in Triton (`delta_implementation="triton"`).
+
+An eager Delta residual is some 20 small operations forward and 40 backward (the gate and value GEMVs, rho, the norm
+of h, h^T X, the write, their casts): on a GPU each is a launch and a host round, and the first H200 run put the eager
+training step at 1.45-2.26x GPT-2's. Here the gate, the value, k = h / |h|, k^T X and the write are one program per
+block of tokens (`_forward_kernel`), and the backward is one more (`_backward_kernel`) plus one sum over the programs'
+partial weight gradients. Half-precision inputs are loaded as they are and accumulated in float32 (float64 stays
+float64, for the tests); nothing is saved but the inputs.
+
+The readable reference is `DeltaResidual`'s tensor ops (`delta_layers.py`, with the math in `delta_ops.py`); the
+tests compare the two under Triton's interpreter on the CPU (tests/ops/test_triton_delta.py). The op is a
+`torch.library` custom op, `ddl_hf::delta_residual`, with its autograd and fake implementations registered, so eager
+dispatch, `torch.compile` (fullgraph) and `torch.export` see one node. Triton is imported with this module; the model
+files never import it (`delta_ops.residual_kernel` loads it for a model whose `delta_implementation` asks for it).
+
+Per token, with g = w_g . c + b_g, beta = 2 sigmoid(g) clamp(rho, 0, 1), v = W_v c + b_v (linear), s sigmoid(W_v x +
+b_v) (sigmoid) or a constant, r = 1 / sqrt(|h|^2 + eps^2) and `hx = h^T X`:
+
+    s_j = r beta (v_j - r hx_j) (+ 1 additive; without erase no `- r hx_j`),    X' = X + h s^T
+
+The backward is `delta_ops._fused_delta_backward`'s formulas, then the chain rule through the gate and value:
+dg = dbeta 2 rho sigma (1 - sigma), drho = dbeta 2 sigma (rho's clamp passes its gradient straight through, as
+`straight_through_clamp`), dc = dg w_g + W_v^T dv (linear value), dx = W_v^T (dv s sigma_v (1 - sigma_v)) (sigmoid).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .delta_ops import ResidualWeights
+
+VALUE_LINEAR, VALUE_SIGMOID, VALUE_CONSTANT = 0, 1, 2
+BLOCK_TOKENS = 16  # tokens a program takes: the backward's partial weight gradients are one row per program
+BLOCK_HIDDEN = 128  # the hidden dim is walked in chunks of this many (a power of two)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _token_sums(
+    X, XR, C, H, GW, VW, G,
+    rows, rmask, chans, vmask, D,
+    sxn, sxd, sxv, srn, src, scn, scd, shn, shd, sgn, sgd, sgv,
+    ACC: tl.constexpr, VALUE: tl.constexpr, ERASE: tl.constexpr, GRAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One walk over the hidden dim: per token, the gate's pre-activation g (bias not added), |h|^2, h^T X and the
+    value's pre-activation W_v u (u = c, or the read x for the sigmoid value); with GRAD also h^T G."""
+    g = tl.zeros([BLOCK_N], dtype=ACC)
+    hh = tl.zeros([BLOCK_N], dtype=ACC)
+    hx = tl.zeros([BLOCK_N, BLOCK_V], dtype=ACC)
+    z = tl.zeros([BLOCK_N, BLOCK_V], dtype=ACC)
+    hg = tl.zeros([BLOCK_N, BLOCK_V], dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m2 = rmask[:, None] & dmask[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        c = tl.load(C + rows[:, None] * scn + cols[None, :] * scd, mask=m2, other=0.0).to(ACC)
+        h = tl.load(H + rows[:, None] * shn + cols[None, :] * shd, mask=m2, other=0.0).to(ACC)
+        w = tl.load(GW + cols, mask=dmask, other=0.0).to(ACC)
+        g += tl.sum(c * w[None, :], axis=1)
+        hh += tl.sum(h * h, axis=1)
+        if ERASE:
+            x_ptr = X + rows[:, None, None] * sxn + cols[None, :, None] * sxd + chans[None, None, :] * sxv
+            hx += tl.sum(h[:, :, None] * tl.load(x_ptr, mask=m3, other=0.0).to(ACC), axis=1)
+        if GRAD:
+            g_ptr = G + rows[:, None, None] * sgn + cols[None, :, None] * sgd + chans[None, None, :] * sgv
+            hg += tl.sum(h[:, :, None] * tl.load(g_ptr, mask=m3, other=0.0).to(ACC), axis=1)
+        if VALUE != 2:
+            if VALUE == 1:  # noqa: SIM108 (a constexpr branch: Triton compiles only the taken side)
+                u = tl.load(XR + rows[:, None] * srn + cols[None, :] * src, mask=m2, other=0.0).to(ACC)
+            else:
+                u = c
+            wv = tl.load(VW + chans[None, :] * D + cols[:, None], mask=dmask[:, None] & vmask[None, :], other=0.0)
+            z += tl.sum(u[:, :, None] * wv.to(ACC)[None, :, :], axis=1)
+    return g, hh, hx, z, hg
+
+
+@triton.jit
+def _forward_kernel(
+    X, XR, C, H, GW, GB, RHO, VW, VB, OUT, BETA,
+    N, D, V, value_scale, value_constant, eps,
+    sxn, sxd, sxv, srn, src, scn, scd, shn, shd,
+    ACC: tl.constexpr, VALUE: tl.constexpr, ADDITIVE: tl.constexpr, ERASE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    chans = tl.arange(0, BLOCK_V)
+    vmask = chans < V
+    g, hh, hx, z, _ = _token_sums(
+        X, XR, C, H, GW, VW, X, rows, rmask, chans, vmask, D,
+        sxn, sxd, sxv, srn, src, scn, scd, shn, shd, 0, 0, 0,
+        ACC, VALUE, ERASE, False, BLOCK_N, BLOCK_D, BLOCK_V,
+    )  # fmt: skip
+    rho = tl.minimum(tl.maximum(tl.load(RHO).to(ACC), 0.0), 1.0)
+    beta = 2.0 * _sigmoid(g + tl.load(GB).to(ACC)) * rho
+    if VALUE == 2:
+        v = tl.zeros([BLOCK_N, BLOCK_V], dtype=ACC) + value_constant
+    else:
+        z += tl.load(VB + chans, mask=vmask, other=0.0).to(ACC)[None, :]
+        v = value_scale * _sigmoid(z) if VALUE == 1 else z
+    r = 1.0 / tl.sqrt(hh + eps * eps)
+    rb = (r * beta)[:, None]
+    coefficient = v - r[:, None] * hx if ERASE else v
+    s = rb * coefficient + 1.0 if ADDITIVE else rb * coefficient  # exactly 1 at beta = 0: X + h bit for bit
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (cols < D)[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        h = tl.load(H + rows[:, None] * shn + cols[None, :] * shd, mask=m2, other=0.0).to(ACC)
+        x_ptr = X + rows[:, None, None] * sxn + cols[None, :, None] * sxd + chans[None, None, :] * sxv
+        x = tl.load(x_ptr, mask=m3, other=0.0).to(ACC)
+        out = x + h[:, :, None] * s[:, None, :]
+        out_ptr = OUT + rows[:, None, None] * (D * V) + cols[None, :, None] * V + chans[None, None, :]
+        tl.store(out_ptr, out.to(OUT.dtype.element_ty), mask=m3)
+    tl.store(BETA + rows, beta.to(BETA.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _backward_kernel(
+    X, XR, C, H, GW, GB, RHO, VW, VB, G, GBETA,
+    DX, DXR, DC, DH, PARTIAL, WIDTH,
+    N, D, V, value_scale, value_constant, eps,
+    sxn, sxd, sxv, srn, src, scn, scd, shn, shd, sgn, sgd, sgv, sbn,
+    ACC: tl.constexpr, VALUE: tl.constexpr, ADDITIVE: tl.constexpr, ERASE: tl.constexpr,
+    HAS_GBETA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """PARTIAL row per program (WIDTH long): [dw_g (D) | db_g | drho | dW_v (V x D) | db_v (V)] (no dW_v, db_v for
+    the constant value), summed over programs after."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    chans = tl.arange(0, BLOCK_V)
+    vmask = chans < V
+    g, hh, hx, z, hg = _token_sums(
+        X, XR, C, H, GW, VW, G, rows, rmask, chans, vmask, D,
+        sxn, sxd, sxv, srn, src, scn, scd, shn, shd, sgn, sgd, sgv,
+        ACC, VALUE, ERASE, True, BLOCK_N, BLOCK_D, BLOCK_V,
+    )  # fmt: skip
+    rho = tl.load(RHO).to(ACC)
+    rho_open = tl.minimum(tl.maximum(rho, 0.0), 1.0)
+    sigma = _sigmoid(g + tl.load(GB).to(ACC))
+    beta = 2.0 * sigma * rho_open
+    if VALUE == 2:
+        v = tl.zeros([BLOCK_N, BLOCK_V], dtype=ACC) + value_constant
+    else:
+        z += tl.load(VB + chans, mask=vmask, other=0.0).to(ACC)[None, :]
+        sigma_v = _sigmoid(z)
+        v = value_scale * sigma_v if VALUE == 1 else z
+    r = 1.0 / tl.sqrt(hh + eps * eps)
+    r2 = r[:, None]
+    residual = v - r2 * hx if ERASE else v  # v - k^T X
+    b_kg = beta[:, None] * r2 * hg  # beta k^T G = dL/dv
+    coef = beta[:, None] * residual
+    scale = r2 * coef + 1.0 if ADDITIVE else r2 * coef
+    h_dot_dk = tl.sum(hg * coef - hx * b_kg if ERASE else hg * coef, axis=1)
+    cube = r * r * r * h_dot_dk
+    d_beta = tl.sum(tl.where(vmask[None, :], r2 * hg * residual, 0.0), axis=1)
+    if HAS_GBETA:
+        d_beta += tl.load(GBETA + rows * sbn, mask=rmask, other=0.0).to(ACC)
+    d_beta = tl.where(rmask, d_beta, 0.0)
+    d_logit = d_beta * 2.0 * rho_open * sigma * (1.0 - sigma)  # dL/dg
+    d_rho = tl.sum(d_beta * 2.0 * sigma, axis=0)  # straight through the clamp
+    if VALUE == 1:  # noqa: SIM108 (a constexpr branch)
+        d_z = b_kg * value_scale * sigma_v * (1.0 - sigma_v)
+    else:
+        d_z = b_kg
+    d_z = tl.where(rmask[:, None] & vmask[None, :], d_z, 0.0)
+    erase_coef = -r2 * b_kg  # the erase term's weight on X in dh and on h in dX
+    row = PARTIAL + pid * WIDTH
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m2 = rmask[:, None] & dmask[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        h = tl.load(H + rows[:, None] * shn + cols[None, :] * shd, mask=m2, other=0.0).to(ACC)
+        c = tl.load(C + rows[:, None] * scn + cols[None, :] * scd, mask=m2, other=0.0).to(ACC)
+        grad = tl.load(
+            G + rows[:, None, None] * sgn + cols[None, :, None] * sgd + chans[None, None, :] * sgv, mask=m3, other=0.0
+        ).to(ACC)
+        d_h = tl.sum(grad * scale[:, None, :], axis=2) - h * cube[:, None]
+        offsets = rows[:, None, None] * (D * V) + cols[None, :, None] * V + chans[None, None, :]
+        if ERASE:
+            x_ptr = X + rows[:, None, None] * sxn + cols[None, :, None] * sxd + chans[None, None, :] * sxv
+            x = tl.load(x_ptr, mask=m3, other=0.0).to(ACC)
+            d_h += tl.sum(x * erase_coef[:, None, :], axis=2)
+            d_x = grad + h[:, :, None] * erase_coef[:, None, :]
+        else:
+            d_x = grad
+        tl.store(DX + offsets, d_x.to(DX.dtype.element_ty), mask=m3)
+        tl.store(DH + rows[:, None] * D + cols[None, :], d_h.to(DH.dtype.element_ty), mask=m2)
+        w = tl.load(GW + cols, mask=dmask, other=0.0).to(ACC)
+        d_c = d_logit[:, None] * w[None, :]
+        tl.store(row + cols, tl.sum(d_logit[:, None] * c, axis=0), mask=dmask)
+        if VALUE != 2:
+            wmask = dmask[:, None] & vmask[None, :]
+            wv = tl.load(VW + chans[None, :] * D + cols[:, None], mask=wmask, other=0.0).to(ACC)  # [BLOCK_D, V]
+            d_u = tl.sum(d_z[:, None, :] * wv[None, :, :], axis=2)
+            if VALUE == 1:
+                u = tl.load(XR + rows[:, None] * srn + cols[None, :] * src, mask=m2, other=0.0).to(ACC)
+                tl.store(DXR + rows[:, None] * D + cols[None, :], d_u.to(DXR.dtype.element_ty), mask=m2)
+            else:
+                u = c
+                d_c += d_u
+            d_wv = tl.sum(d_z[:, None, :] * u[:, :, None], axis=0)  # [BLOCK_D, V]
+            tl.store(row + D + 2 + chans[None, :] * D + cols[:, None], d_wv, mask=wmask)
+        tl.store(DC + rows[:, None] * D + cols[None, :], d_c.to(DC.dtype.element_ty), mask=m2)
+    tl.store(row + D, tl.sum(d_logit, axis=0))
+    tl.store(row + D + 1, d_rho)
+    if VALUE != 2:
+        tl.store(row + D + 2 + V * D + chans, tl.sum(d_z, axis=0), mask=vmask)
+
+
+@triton.jit
+def _read_forward_kernel(
+    X, W, OUT, N, D, V, sxn, sxd, sxv, swd, swv,
+    ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """x[n, d] = sum_v X[n, d, v] w[d, v] (a read vector: swd = 0), summed over v as a tree."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    chans = tl.arange(0, BLOCK_V)
+    rmask, vmask = rows < N, chans < V
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (cols < D)[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        x = tl.load(X + rows[:, None, None] * sxn + cols[None, :, None] * sxd + chans[None, None, :] * sxv, mask=m3,
+                    other=0.0).to(ACC)  # fmt: skip
+        w = tl.load(
+            W + cols[:, None] * swd + chans[None, :] * swv, mask=(cols < D)[:, None] & vmask[None, :], other=0.0
+        )
+        out = tl.sum(x * w.to(ACC)[None, :, :], axis=2)
+        tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _read_backward_kernel(
+    X, W, G, DX, PARTIAL, N, D, V, sxn, sxd, sxv, swd, swv, sgn, sgd,
+    ACC: tl.constexpr, PER_HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """dX[n, d, v] = g[n, d] w[d, v]; PARTIAL row per program: dw summed over its tokens, `[D, V]` (PER_HIDDEN) or
+    also over d, `[V]` (a read vector)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    chans = tl.arange(0, BLOCK_V)
+    rmask, vmask = rows < N, chans < V
+    d_w = tl.zeros([BLOCK_V], dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m2 = rmask[:, None] & dmask[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        g = tl.load(G + rows[:, None] * sgn + cols[None, :] * sgd, mask=m2, other=0.0).to(ACC)
+        w = tl.load(W + cols[:, None] * swd + chans[None, :] * swv, mask=dmask[:, None] & vmask[None, :], other=0.0)
+        offsets = rows[:, None, None] * (D * V) + cols[None, :, None] * V + chans[None, None, :]
+        tl.store(DX + offsets, (g[:, :, None] * w.to(ACC)[None, :, :]).to(DX.dtype.element_ty), mask=m3)
+        x = tl.load(X + rows[:, None, None] * sxn + cols[None, :, None] * sxd + chans[None, None, :] * sxv, mask=m3,
+                    other=0.0).to(ACC)  # fmt: skip
+        d_wd = tl.sum(g[:, :, None] * x, axis=0)  # [BLOCK_D, BLOCK_V]
+        if PER_HIDDEN:
+            tl.store(PARTIAL + pid * D * V + cols[:, None] * V + chans[None, :], d_wd,
+                     mask=dmask[:, None] & vmask[None, :])  # fmt: skip
+        else:
+            d_w += tl.sum(d_wd, axis=0)
+    if not PER_HIDDEN:
+        tl.store(PARTIAL + pid * V + chans, d_w, mask=vmask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The op: `ddl_hf::delta_residual`, its backward, autograd and fake implementations.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _accumulator(*tensors: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
+    """float64 where an input is float64 (gradcheck, the tests' tight reference), float32 otherwise."""
+    if any(t.dtype == torch.float64 for t in tensors):
+        return torch.float64, tl.float64
+    return torch.float32, tl.float32
+
+
+def _layout(state: torch.Tensor, h: torch.Tensor) -> tuple[int, int, int, torch.Tensor]:
+    """Tokens N, hidden D, value channels V, and the state as `[N, D, V]` (a view where the strides allow: an expanded
+    X_0 keeps its stride 0 over V)."""
+    dim = h.shape[-1]
+    channels = 1 if state.dim() == h.dim() else state.shape[-1]
+    tokens = h.numel() // dim if dim else 0
+    return tokens, dim, channels, state.reshape(tokens, dim, channels)
+
+
+def _rows(t: torch.Tensor | None, tokens: int, dim: int) -> torch.Tensor | None:
+    return None if t is None else t.reshape(tokens, dim)
+
+
+def _block_v(channels: int) -> int:
+    return max(2, triton.next_power_of_2(channels))
+
+
+def _out_dtype(state: torch.Tensor, h: torch.Tensor, additive: bool) -> torch.dtype:
+    """What the tensor ops return (`delta_ops._fused_delta_forward`): the state's dtype, promoted with h's in additive
+    mode (X + h)."""
+    return torch.promote_types(state.dtype, h.dtype) if additive else state.dtype
+
+
+@torch.library.custom_op("ddl_hf::delta_residual", mutates_args=())
+def delta_residual(
+    state: torch.Tensor,
+    read: torch.Tensor | None,
+    c: torch.Tensor,
+    h: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    beta_open: torch.Tensor,
+    value_weight: torch.Tensor | None,
+    value_bias: torch.Tensor | None,
+    value_mode: int,
+    value_scale: float,
+    value_constant: float,
+    eps: float,
+    additive: bool,
+    erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Delta residual after its sublayer: `(X', beta)`, X' shaped like the state (`[..., D]` or `[..., D, d_v]`),
+    beta `[...]`. `read` is the read x (the sigmoid value's input; None otherwise)."""
+    tokens, dim, channels, x3 = _layout(state, h)
+    acc, tl_acc = _accumulator(state, h, c, gate_weight)
+    out = torch.empty((tokens, dim, channels), dtype=_out_dtype(state, h, additive), device=state.device)
+    beta = torch.empty(h.shape[:-1], dtype=acc, device=state.device)
+    if tokens:
+        c2, h2 = _rows(c, tokens, dim), _rows(h, tokens, dim)
+        r2 = c2 if read is None else _rows(read, tokens, dim)
+        gate_weight = gate_weight.contiguous()  # the kernels read weights as contiguous rows (no-op for nn.Linear's)
+        vw = gate_weight if value_weight is None else value_weight.contiguous()
+        vb = gate_bias if value_bias is None else value_bias
+        _forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+            x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, out, beta,
+            tokens, dim, channels, value_scale, value_constant, eps,
+            *x3.stride(), *r2.stride(), *c2.stride(), *h2.stride(),
+            ACC=tl_acc, VALUE=value_mode, ADDITIVE=additive, ERASE=erase,
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return out.view(state.shape), beta
+
+
+@delta_residual.register_fake
+def _(state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias, value_mode, value_scale,
+      value_constant, eps, additive, erase):  # fmt: skip
+    acc, _ = _accumulator(state, h, c, gate_weight)
+    out = state.new_empty(state.shape, dtype=_out_dtype(state, h, additive))
+    return out, h.new_empty(h.shape[:-1], dtype=acc)
+
+
+@torch.library.custom_op("ddl_hf::delta_residual_backward", mutates_args=())
+def delta_residual_backward(
+    grad_state: torch.Tensor,
+    grad_beta: torch.Tensor | None,
+    state: torch.Tensor | None,
+    read: torch.Tensor | None,
+    c: torch.Tensor,
+    h: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    beta_open: torch.Tensor,
+    value_weight: torch.Tensor | None,
+    value_bias: torch.Tensor | None,
+    value_mode: int,
+    value_scale: float,
+    value_constant: float,
+    eps: float,
+    additive: bool,
+    erase: bool,
+    state_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(d_state, d_read, d_c, d_h, d_weights)`: d_read is empty unless the value reads x (sigmoid); d_weights packs
+    `[d gate_weight (D) | d gate_bias | d beta_open | d value_weight (d_v x D) | d value_bias (d_v)]` in the
+    accumulation dtype. `state` is None without erase (the write-only backward never reads X)."""
+    tokens, dim, channels, g3 = _layout(grad_state, h)
+    acc, tl_acc = _accumulator(grad_state, h, c, gate_weight)
+    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    width = _weights_width(dim, channels, value_mode)
+    d_state = torch.empty((tokens, dim, channels), dtype=state_dtype, device=h.device)
+    d_c, d_h = c.new_empty(c.shape), h.new_empty(h.shape)  # row-major, as the kernel writes them
+    d_read = read.new_empty(read.shape) if value_mode == VALUE_SIGMOID else h.new_empty(0)
+    partial = torch.empty((programs, width), dtype=acc, device=h.device)  # every program writes its whole row
+    if tokens:
+        x3 = g3 if state is None else state.reshape(tokens, dim, channels)
+        gb = g3 if grad_beta is None else grad_beta.reshape(tokens)  # a stride 0 where autograd expanded a scalar
+        c2, h2 = _rows(c, tokens, dim), _rows(h, tokens, dim)
+        r2 = c2 if read is None else _rows(read, tokens, dim)
+        gate_weight = gate_weight.contiguous()  # the kernels read weights as contiguous rows (no-op for nn.Linear's)
+        vw = gate_weight if value_weight is None else value_weight.contiguous()
+        vb = gate_bias if value_bias is None else value_bias
+        _backward_kernel[(programs,)](
+            x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, g3, gb,
+            d_state, d_read if read is not None else d_c, d_c, d_h, partial, width,
+            tokens, dim, channels, value_scale, value_constant, eps,
+            *x3.stride(), *r2.stride(), *c2.stride(), *h2.stride(), *g3.stride(), gb.stride(0),
+            ACC=tl_acc, VALUE=value_mode, ADDITIVE=additive, ERASE=erase, HAS_GBETA=grad_beta is not None,
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return d_state.view(grad_state.shape), d_read, d_c, d_h, partial.sum(0)
+
+
+@delta_residual_backward.register_fake
+def _(grad_state, grad_beta, state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias,
+      value_mode, value_scale, value_constant, eps, additive, erase, state_dtype):  # fmt: skip
+    acc, _ = _accumulator(grad_state, h, c, gate_weight)
+    channels = 1 if grad_state.dim() == h.dim() else grad_state.shape[-1]
+    dim = h.shape[-1]
+    d_read = torch.empty_like(read) if value_mode == VALUE_SIGMOID else h.new_empty(0)
+    width = _weights_width(dim, channels, value_mode)
+    return (
+        grad_state.new_empty(grad_state.shape, dtype=state_dtype),
+        d_read,
+        torch.empty_like(c),
+        torch.empty_like(h),
+        h.new_empty(width, dtype=acc),
+    )
+
+
+def _weights_width(dim: int, channels: int, value_mode: int) -> int:
+    """The packed weight gradients' length: the gate's `dim + 1`, rho's 1, the value's `channels * (dim + 1)`."""
+    return dim + 2 + (0 if value_mode == VALUE_CONSTANT else channels * (dim + 1))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias, *settings = inputs
+    ctx.set_materialize_grads(False)  # beta's gradient is None unless beta is used: no tensor of zeros for it
+    ctx.settings = settings
+    ctx.state_dtype = state.dtype
+    ctx.out_shape, ctx.out_dtype = output[0].shape, output[0].dtype
+    erase = settings[-1]
+    ctx.save_for_backward(state if erase else None, read, c, h, gate_weight, gate_bias, beta_open, value_weight,
+                          value_bias)  # fmt: skip
+
+
+def _backward(ctx, grad_state, grad_beta):
+    state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias = ctx.saved_tensors
+    if grad_state is None:  # only beta was used (grads are not materialised): the state's gradient is zero
+        grad_state = h.new_zeros(ctx.out_shape, dtype=ctx.out_dtype)
+    d_state, d_read, d_c, d_h, d_weights = delta_residual_backward(
+        grad_state, grad_beta, state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias,
+        *ctx.settings, ctx.state_dtype,
+    )  # fmt: skip
+    dim = h.shape[-1]
+    d_weights = d_weights.to(gate_weight.dtype)
+    d_gate_weight, d_gate_bias, d_open, d_value = d_weights.split([dim, 1, 1, d_weights.numel() - dim - 2])
+    d_value_weight = d_value_bias = None
+    if value_weight is not None:
+        d_value_weight, d_value_bias = d_value.split([value_weight.numel(), value_bias.numel()])
+        d_value_weight = d_value_weight.view(value_weight.shape)
+    return (
+        d_state,
+        d_read if read is not None else None,
+        d_c,
+        d_h,
+        d_gate_weight.view(gate_weight.shape),
+        d_gate_bias,
+        d_open,
+        d_value_weight,
+        d_value_bias,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+delta_residual.register_autograd(_backward, setup_context=_setup_context)
+
+
+def residual(
+    state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DeltaResidual`'s `(X', beta)` as one `ddl_hf::delta_residual` call (training and inference alike)."""
+    if weights.value_weight is None:
+        mode, read = VALUE_CONSTANT, None
+    elif weights.value_scale is None:
+        mode, read = VALUE_LINEAR, None
+    else:
+        mode, read = VALUE_SIGMOID, x
+    return delta_residual(
+        state, read, c, h, weights.gate_weight, weights.gate_bias, weights.beta_open, weights.value_weight,
+        weights.value_bias, mode, 1.0 if weights.value_scale is None else weights.value_scale,
+        weights.value_constant, weights.eps, weights.additive, weights.erase,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The read of an expanded state: `ddl_hf::delta_read` (a read vector, or the CC read's folded `[D, d_v]` weight).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _read_layout(state: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """N, D, V, the state `[N, D, V]` and the weight as `[D, V]` (a read vector `[V]` with stride 0 over D)."""
+    dim, channels = state.shape[-2], state.shape[-1]
+    tokens = state.numel() // (dim * channels) if dim * channels else 0
+    w2 = weight.expand(dim, channels) if weight.dim() == 1 else weight
+    return tokens, dim, channels, state.reshape(tokens, dim, channels), w2
+
+
+@torch.library.custom_op("ddl_hf::delta_read", mutates_args=())
+def delta_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x = X w over the value channels: state `[..., D, d_v]`, weight `[d_v]` (the read vector) or `[D, d_v]`;
+    `[..., D]` in the state's dtype (under autocast too: the read is not rounded to half precision)."""
+    tokens, dim, channels, x3, w2 = _read_layout(state, weight)
+    _, tl_acc = _accumulator(state, weight)
+    out = torch.empty((tokens, dim), dtype=state.dtype, device=state.device)
+    if tokens:
+        _read_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+            x3, w2, out, tokens, dim, channels, *x3.stride(), *w2.stride(),
+            ACC=tl_acc, BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)),
+            BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return out.view(state.shape[:-1])
+
+
+@delta_read.register_fake
+def _(state, weight):
+    return state.new_empty(state.shape[:-1])
+
+
+@torch.library.custom_op("ddl_hf::delta_read_backward", mutates_args=())
+def delta_read_backward(
+    grad: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d_state, d_weight)`, d_weight in the accumulation dtype, shaped like `weight`."""
+    tokens, dim, channels, x3, w2 = _read_layout(state, weight)
+    acc, tl_acc = _accumulator(state, weight)
+    per_hidden = weight.dim() == 2
+    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    d_state = torch.empty((tokens, dim, channels), dtype=state.dtype, device=state.device)
+    partial = torch.empty((programs, dim * channels if per_hidden else channels), dtype=acc, device=state.device)
+    if tokens:
+        g2 = grad.reshape(tokens, dim)
+        _read_backward_kernel[(programs,)](
+            x3, w2, g2, d_state, partial, tokens, dim, channels, *x3.stride(), *w2.stride(), *g2.stride(),
+            ACC=tl_acc, PER_HIDDEN=per_hidden, BLOCK_N=BLOCK_TOKENS,
+            BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return d_state.view(state.shape), partial.sum(0).view(weight.shape)
+
+
+@delta_read_backward.register_fake
+def _(grad, state, weight):
+    acc, _ = _accumulator(state, weight)
+    return state.new_empty(state.shape), weight.new_empty(weight.shape, dtype=acc)
+
+
+def _read_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _read_backward(ctx, grad):
+    state, weight = ctx.saved_tensors
+    d_state, d_weight = delta_read_backward(grad, state, weight)
+    return d_state, d_weight.to(weight.dtype)
+
+
+delta_read.register_autograd(_read_backward, setup_context=_read_setup_context)
+
+
+def read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`DeltaRead`'s `state @ w` (a read vector `[d_v]`) or the CC read `(state * w).sum(-1)` (`[D, d_v]`) as one
+    `ddl_hf::delta_read` call."""
+    return delta_read(state, weight)
