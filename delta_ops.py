@@ -71,7 +71,11 @@ class DeltaKernels(NamedTuple):
       after its sublayer (gate, value, write) as one op, with autograd; `DeltaResidual`'s tensor ops are the reference.
     - `residual_step`: the same without autograd (generation), or None where it declines these inputs.
     - `read`: `(state [..., D, d_v], weight [d_v] or [D, d_v]) -> [..., D]`, `sum_v X[..., d, v] w[(d,) v]` in the
-      state's dtype, with autograd: the linear read (`state @ w`) and the CC read's folded weight.
+      state's dtype, with autograd: the linear read (`state @ w`).
+    - `channel_read`: `(state, conv_weight [D, K], read [d_v]) -> [..., D]`, `channel_conv_read` as one op.
+    - `temporal_read`: `(x, weight, read, past, same_document) -> [B, T, D]`, `temporal_conv_read` with the kernels
+      `weight * read[:, None]` (read None: `weight`) as one op with its own autograd (Triton's); `tc_read` is the
+      TC read as a forward / backward pair (the native kernels').
     - `delta_update`, `tc_read`: a `DeltaKernel` for the Delta write and the TC read.
     - `delta_rule`: `(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens) -> (o, final_state) or None`,
       the inputs and outputs of `delta_rule_recurrent`, differentiable itself (fla's ops); None where it declines.
@@ -80,6 +84,8 @@ class DeltaKernels(NamedTuple):
     residual: Callable | None = None
     residual_step: Callable | None = None
     read: Callable | None = None
+    channel_read: Callable | None = None
+    temporal_read: Callable | None = None
     delta_update: DeltaKernel | None = None
     tc_read: DeltaKernel | None = None
     delta_rule: Callable | None = None
@@ -536,7 +542,7 @@ def temporal_conv_read(
     x `[B, T, D, d_v]`, weight `[D, d_v, K]` (the kernels already scaled by the read vector), past `[B, K - 1, D,
     d_v]` (the cached inputs; None: zeros), same_document as in `temporal_conv`. Returns `[B, T, D]`. The expression
     above is the readable definition (tests compare them, values and gradients, in float64). `kernel` (a model's
-    `tc_read` kernel, or None) runs where it applies."""
+    `tc_read`) runs where it applies."""
     kernel = kernel if kernel is not None and kernel.applies(x) else None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _TemporalConvRead.apply(x, weight, past, same_document, kernel)
@@ -587,15 +593,14 @@ def channel_conv_read_weight(weight: torch.Tensor, read: torch.Tensor) -> torch.
 
 
 def channel_conv_read(
-    state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor, kernel: Callable | None = None
+    state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor, op: Callable | None = None
 ) -> torch.Tensor:
     """The CC read, the entry point: `channel_conv(state, weight) @ read` (its readable definition) in one pass over
     the state, with the convolution folded into the read vector (`channel_conv_read_weight`). `[..., D, d_v]` ->
-    `[..., D]`. `kernel`: a model's `read` kernel, or None."""
-    folded = channel_conv_read_weight(weight, read)
-    if kernel is not None:
-        return kernel(state, folded)
-    return (state * folded.to(state.dtype)).sum(-1)
+    `[..., D]`. `op`: a model's `channel_read`, which takes the whole read, or None."""
+    if op is not None:
+        return op(state, weight, read)
+    return (state * channel_conv_read_weight(weight, read).to(state.dtype)).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

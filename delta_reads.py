@@ -25,7 +25,6 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from .delta_ops import (
     TENSOR_OPS,
-    DeltaKernel,
     DeltaKernels,
     channel_conv_read,
     delta_kernels,
@@ -87,16 +86,26 @@ class DeltaConvContext:
         return temporal_conv(torch.cat([past, x], dim=1), weight, self.same_document(size))
 
     def convolve_read(
-        self, x: torch.Tensor, key: str, weight: torch.Tensor, kernel: DeltaKernel | None = None
+        self,
+        x: torch.Tensor,
+        key: str,
+        weight: torch.Tensor,
+        read: torch.Tensor | None = None,
+        kernels: DeltaKernels = TENSOR_OPS,
     ) -> torch.Tensor:
-        """`convolve(x, key, weight).sum(-1)` as one op (`temporal_conv_read`, with the model's `tc_read` kernel): x
-        `[B, T, D, d_v]` (or `[B, T, D]`, one value channel, weight `[D, 1, K]`) -> `[B, T, D]`."""
+        """`convolve(x, key, weight * read[:, None]).sum(-1)` as one op (`temporal_conv_read`, or the model's
+        `temporal_read`): x `[B, T, D, d_v]` (or `[B, T, D]`, one value channel, weight `[D, 1, K]`, no read vector)
+        -> `[B, T, D]`."""
         size = weight.shape[-1]
         x = self.masked(x)
         past = self.past(x, key, size)
         if x.dim() == 3:
             x, past = x.unsqueeze(-1), None if past is None else past.unsqueeze(-1)
-        return temporal_conv_read(x, weight, past, self.same_document(size), kernel)
+        same_document = self.same_document(size)
+        if kernels.temporal_read is not None:  # the read vector folded into the op
+            return kernels.temporal_read(x, weight, read, past, same_document)
+        weight = weight if read is None else weight * read[:, None]
+        return temporal_conv_read(x, weight, past, same_document, kernels.tc_read)
 
 
 class DeltaStateConv(nn.Module):
@@ -129,12 +138,11 @@ class DeltaStateConv(nn.Module):
     ) -> torch.Tensor:
         """The convolution, then the read vector `read` `[d_v]`: `[..., D, d_v]` -> `[..., D]`; without one (d_v = 1,
         state `[..., D]`) the convolution alone. `window`: where the cache keeps a TC read's last inputs; `kernels`:
-        the model's (`read` for CC, `tc_read` for TC)."""
+        the model's (`channel_read` for CC; `temporal_read` or `tc_read` for TC)."""
         if self.kind == "channel_conv":
-            return channel_conv_read(state, self.weight, read, kernels.read)
+            return channel_conv_read(state, self.weight, read, kernels.channel_read)
         # TC: the read vector scales the kernels (W r), and one pass reads the state.
-        weight = self.weight if read is None else self.weight * read[:, None]
-        return (context or DeltaConvContext()).convolve_read(state, window, weight, kernels.tc_read)
+        return (context or DeltaConvContext()).convolve_read(state, window, self.weight, read, kernels)
 
 
 class DeltaRead(nn.Module):

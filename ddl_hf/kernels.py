@@ -5,8 +5,8 @@ the chosen kernels to the ops in `delta_ops`, and nothing is registered process-
 may run different kernels:
 
 - "eager": the tensor ops everywhere.
-- "triton": on CUDA one Triton op per Delta residual and one per linear / CC read (`triton_delta`), and fla's delta
-  rule; on the CPU the same under Triton's interpreter (`TRITON_INTERPRET=1`), else an error.
+- "triton": on CUDA one Triton op per Delta residual and one per read (linear, CC, TC: `triton_delta`), and fla's
+  delta rule; on the CPU the same under Triton's interpreter (`TRITON_INTERPRET=1`), else an error.
 - "native": on the CPU the native kernels (`native`: the write, the TC read, the inference step); elsewhere an error.
 - "auto": on CUDA as "triton" where Triton imports, else the tensor ops (and fla's delta rule where installed); on
   the CPU the tensor ops.
@@ -80,9 +80,10 @@ def kernels_for(implementation: str, device_type: str) -> DeltaKernels:
             f"TRITON_INTERPRET=1 set before Triton is imported); this model's tensors are on {device_type!r}. Use "
             "'auto' or 'eager'."
         )
-    from .triton_delta import read, residual
+    from .triton_delta import channel_read, read, residual, temporal_read
 
-    return _fla_only()._replace(residual=residual, read=read)
+    triton_ops = dict(residual=residual, read=read, channel_read=channel_read, temporal_read=temporal_read)
+    return _fla_only()._replace(**triton_ops)
 
 
 def prepare(implementation: str) -> dict[str, DeltaKernels]:

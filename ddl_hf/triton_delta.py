@@ -496,7 +496,7 @@ def residual(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The read of an expanded state: `ddl_hf::delta_read` (a read vector, or the CC read's folded `[D, d_v]` weight).
+# The read of an expanded state: `ddl_hf::delta_read` (a read vector, or any per-hidden `[D, d_v]` weight).
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -570,6 +570,353 @@ delta_read.register_autograd(_read_backward, setup_context=_read_setup_context)
 
 
 def read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`DeltaRead`'s `state @ w` (a read vector `[d_v]`) or the CC read `(state * w).sum(-1)` (`[D, d_v]`) as one
+    """`DeltaRead`'s `state @ w` (a read vector `[d_v]`; also a per-hidden `[D, d_v]` weight) as one
     `ddl_hf::delta_read` call."""
     return delta_read(state, weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The TC read: `ddl_hf::temporal_read`, a causal depthwise convolution over tokens summed over the value channels.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tap(X, P, b, src, offsets_x, offsets_p, m3, sxb, sxt, spb, spt, K: tl.constexpr, HAS_PAST: tl.constexpr):
+    """X[b, src] for src >= 0, else the cached window's entry before the sequence, past[b, K - 1 + src] (0 without
+    one); `offsets_*` address the hidden and value channels."""
+    inside = src >= 0
+    value = tl.load(X + b[:, None, None] * sxb + src[:, None, None] * sxt + offsets_x, mask=m3 & inside[:, None, None],
+                    other=0.0)  # fmt: skip
+    if HAS_PAST:
+        row = K - 1 + src
+        value += tl.load(P + b[:, None, None] * spb + row[:, None, None] * spt + offsets_p,
+                         mask=m3 & (~inside & (row >= 0))[:, None, None], other=0.0)  # fmt: skip
+    return value
+
+
+@triton.jit
+def _temporal_forward_kernel(
+    X, W, R, P, SD, OUT, N, T, D, V,
+    sxb, sxt, sxd, sxv, swd, swv, swk, spb, spt, spd, spv, ssb, sst, ssk,
+    K: tl.constexpr, HAS_READ: tl.constexpr, HAS_PAST: tl.constexpr, HAS_DOC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """y[b, t, d] = sum_j sum_v w[d, v, j] r[v] X[b, t - (K - 1 - j), d, v] (x keep[b, t, j] in packed rows; r the
+    read vector, 1 without)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    b, t = rows // T, rows % T
+    chans = tl.arange(0, BLOCK_V)
+    vmask = chans < V
+    r = tl.load(R + chans, mask=vmask, other=0.0).to(ACC) if HAS_READ else tl.full([BLOCK_V], 1.0, ACC)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m3 = (rmask[:, None] & dmask[None, :])[:, :, None] & vmask[None, None, :]
+        offsets_x = cols[None, :, None] * sxd + chans[None, None, :] * sxv
+        offsets_p = cols[None, :, None] * spd + chans[None, None, :] * spv
+        acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+        for j in tl.static_range(K):
+            tap = _tap(X, P, b, t - (K - 1 - j), offsets_x, offsets_p, m3, sxb, sxt, spb, spt, K, HAS_PAST).to(ACC)
+            w = tl.load(W + cols[:, None] * swd + chans[None, :] * swv + j * swk,
+                        mask=dmask[:, None] & vmask[None, :], other=0.0).to(ACC) * r[None, :]  # fmt: skip
+            term = tl.sum(tap * w[None, :, :], axis=2)
+            if HAS_DOC:
+                keep = tl.load(SD + b * ssb + t * sst + j * ssk, mask=rmask, other=0).to(ACC)
+                term = term * keep[:, None]
+            acc += term
+        tl.store(OUT + rows[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+
+
+@triton.jit
+def _temporal_backward_kernel(
+    X, W, R, P, SD, G, DX, PARTIAL, N, T, D, V,
+    sxb, sxt, sxd, sxv, swd, swv, swk, spb, spt, spd, spv, ssb, sst, ssk, sgn, sgd,
+    K: tl.constexpr, HAS_READ: tl.constexpr, HAS_PAST: tl.constexpr, HAS_DOC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """dX[b, s, d, v] = sum_j g[b, s + K - 1 - j, d] w[d, v, j] r[v] (keep) over the taps that stay inside the
+    sequence; PARTIAL row per program: [dw (D x V x K) | dr (V, with a read vector)] summed over its output rows."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    b, t = rows // T, rows % T
+    chans = tl.arange(0, BLOCK_V)
+    vmask = chans < V
+    r = tl.load(R + chans, mask=vmask, other=0.0).to(ACC) if HAS_READ else tl.full([BLOCK_V], 1.0, ACC)
+    d_r = tl.zeros([BLOCK_V], dtype=ACC)
+    row = PARTIAL + pid * (D * V * K + (V if HAS_READ else 0))
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m2 = rmask[:, None] & dmask[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        wmask = dmask[:, None] & vmask[None, :]
+        offsets_x = cols[None, :, None] * sxd + chans[None, None, :] * sxv
+        offsets_p = cols[None, :, None] * spd + chans[None, None, :] * spv
+        g = tl.load(G + rows[:, None] * sgn + cols[None, :] * sgd, mask=m2, other=0.0).to(ACC)
+        d_x = tl.zeros([BLOCK_N, BLOCK_D, BLOCK_V], dtype=ACC)
+        for j in tl.static_range(K):
+            lag = K - 1 - j
+            w_raw = tl.load(W + cols[:, None] * swd + chans[None, :] * swv + j * swk, mask=wmask, other=0.0).to(ACC)
+            w = w_raw * r[None, :]
+            # dX: this program's rows as sources s, read by output t = s + lag
+            out_t = t + lag
+            reach = rmask & (out_t < T)
+            g_ptr = G + (b * T + out_t)[:, None] * sgn + cols[None, :] * sgd
+            g_out = tl.load(g_ptr, mask=reach[:, None] & dmask[None, :], other=0.0).to(ACC)
+            if HAS_DOC:
+                keep = tl.load(SD + b * ssb + out_t * sst + j * ssk, mask=reach, other=0).to(ACC)
+                g_out = g_out * keep[:, None]
+            d_x += g_out[:, :, None] * w[None, :, :]
+            # dw: this program's rows as outputs t, reading source t - lag
+            tap = _tap(X, P, b, t - lag, offsets_x, offsets_p, m3, sxb, sxt, spb, spt, K, HAS_PAST).to(ACC)
+            g_keep = g
+            if HAS_DOC:
+                keep_t = tl.load(SD + b * ssb + t * sst + j * ssk, mask=rmask, other=0).to(ACC)
+                g_keep = g * keep_t[:, None]
+            d_w = tl.sum(g_keep[:, :, None] * tap, axis=0)  # [BLOCK_D, BLOCK_V]: d(w r)
+            tl.store(row + cols[:, None] * (V * K) + chans[None, :] * K + j, d_w * r[None, :], mask=wmask)
+            if HAS_READ:
+                d_r += tl.sum(d_w * w_raw, axis=0)
+        offsets = rows[:, None, None] * (D * V) + cols[None, :, None] * V + chans[None, None, :]
+        tl.store(DX + offsets, d_x.to(DX.dtype.element_ty), mask=m3)
+    if HAS_READ:
+        tl.store(row + D * V * K + chans, d_r, mask=vmask)
+
+
+def _temporal_args(x, weight, past, same_document):
+    """The kernels' common arguments: x `[B, T, D, V]`, weight `[D, V, K]`, past `[B, K - 1, D, V]` or x (unused),
+    same_document `[B, T, K]` as int8 or x (unused), and their strides."""
+    batch, steps, dim, channels = x.shape
+    p = x if past is None else past
+    sd = x if same_document is None else same_document.to(torch.int8)
+    strides = (*x.stride(), *weight.stride(), *p.stride(), *(sd.stride() if same_document is not None else (0, 0, 0)))
+    return batch * steps, steps, dim, channels, p, sd, strides
+
+
+@torch.library.custom_op("ddl_hf::temporal_read", mutates_args=())
+def temporal_read(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    read: torch.Tensor | None,
+    past: torch.Tensor | None,
+    same_document: torch.Tensor | None,
+) -> torch.Tensor:
+    """`delta_ops.temporal_conv_read` with the kernels `weight * read[:, None]`: x `[B, T, D, d_v]`, weight
+    `[D, d_v, K]`, read `[d_v]` or None, past `[B, K - 1, D, d_v]` or None, same_document `[B, T, K]` bool or None ->
+    `[B, T, D]` in x's dtype."""
+    tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, past, same_document)
+    _, tl_acc = _accumulator(x, weight)
+    out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
+    if tokens:
+        _temporal_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+            x, weight, weight if read is None else read, p, sd, out, tokens, steps, dim, channels, *strides,
+            K=weight.shape[-1], HAS_READ=read is not None, HAS_PAST=past is not None,
+            HAS_DOC=same_document is not None, ACC=tl_acc,
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return out
+
+
+@temporal_read.register_fake
+def _(x, weight, read, past, same_document):
+    return x.new_empty(x.shape[:-1])
+
+
+@torch.library.custom_op("ddl_hf::temporal_read_backward", mutates_args=())
+def temporal_read_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    read: torch.Tensor | None,
+    past: torch.Tensor | None,
+    same_document: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d_x, d_weights)`: d_weights packs `[d weight (D x d_v x K) | d read (d_v; none without)]` in the
+    accumulation dtype."""
+    tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, past, same_document)
+    acc, tl_acc = _accumulator(x, weight)
+    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    reads = 0 if read is None else channels
+    partial = torch.empty((programs, weight.numel() + reads), dtype=acc, device=x.device)
+    if tokens:
+        g2 = grad.reshape(tokens, dim)
+        _temporal_backward_kernel[(programs,)](
+            x, weight, weight if read is None else read, p, sd, g2, d_x, partial, tokens, steps, dim, channels,
+            *strides, *g2.stride(),
+            K=weight.shape[-1], HAS_READ=read is not None, HAS_PAST=past is not None,
+            HAS_DOC=same_document is not None, ACC=tl_acc,
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return d_x, partial.sum(0)
+
+
+@temporal_read_backward.register_fake
+def _(grad, x, weight, read, past, same_document):
+    acc, _ = _accumulator(x, weight)
+    reads = 0 if read is None else x.shape[-1]
+    return x.new_empty(x.shape), weight.new_empty(weight.numel() + reads, dtype=acc)
+
+
+def _temporal_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _temporal_backward(ctx, grad):
+    x, weight, read, past, same_document = ctx.saved_tensors
+    d_x, d_weights = temporal_read_backward(grad, x, weight, read, past, same_document)
+    d_weight, d_read = d_weights.to(weight.dtype).split([weight.numel(), d_weights.numel() - weight.numel()])
+    return d_x, d_weight.view(weight.shape), None if read is None else d_read, None, None
+
+
+temporal_read.register_autograd(_temporal_backward, setup_context=_temporal_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The CC read: `ddl_hf::channel_read`, the channel convolution folded into the read vector inside the kernel.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _shifted_read(R, chans, j, V, K: tl.constexpr):
+    """r[c + left - j] (0 outside [0, V)), left = (K - 1) // 2: the read weight that tap j of a channel convolution
+    brings to input channel c (`delta_ops.channel_conv_read_weight`)."""
+    index = chans + (K - 1) // 2 - j
+    return tl.load(R + index, mask=(index >= 0) & (index < V), other=0.0)
+
+
+@triton.jit
+def _folded_weight(W, R, cols, dmask, chans, V, swd, swk, K: tl.constexpr, ACC: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """w[d, c] = sum_j W[d, j] r[c + left - j], a `[BLOCK_D, BLOCK_V]` tile."""
+    folded = tl.zeros([BLOCK_D, BLOCK_V], dtype=ACC)
+    for j in tl.static_range(K):
+        w_j = tl.load(W + cols * swd + j * swk, mask=dmask, other=0.0).to(ACC)
+        folded += w_j[:, None] * _shifted_read(R, chans, j, V, K).to(ACC)[None, :]
+    return folded
+
+
+@triton.jit
+def _channel_forward_kernel(
+    X, W, R, OUT, N, D, V, sxn, sxd, sxv, swd, swk,
+    K: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    chans = tl.arange(0, BLOCK_V)
+    rmask, vmask = rows < N, chans < V
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m2 = rmask[:, None] & dmask[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        folded = _folded_weight(W, R, cols, dmask, chans, V, swd, swk, K, ACC, BLOCK_D, BLOCK_V)
+        x = tl.load(X + rows[:, None, None] * sxn + cols[None, :, None] * sxd + chans[None, None, :] * sxv, mask=m3,
+                    other=0.0).to(ACC)  # fmt: skip
+        out = tl.sum(x * folded[None, :, :], axis=2)
+        tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _channel_backward_kernel(
+    X, W, R, G, DX, PARTIAL, N, D, V, sxn, sxd, sxv, swd, swk, sgn, sgd,
+    K: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """dX = g w^T; PARTIAL row per program: [dW (D x K) | dr (V)] over its tokens, through the folded weight:
+    dW[d, j] = sum_c dw[d, c] r[c + left - j] and dr[i] = sum_{d, j} dw[d, i - left + j] W[d, j], with
+    dw[d, c] = sum_n g[n, d] X[n, d, c] (read at the shifted channels for dr)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    chans = tl.arange(0, BLOCK_V)
+    rmask, vmask = rows < N, chans < V
+    row = PARTIAL + pid * (D * K + V)
+    d_r = tl.zeros([BLOCK_V], dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        m2 = rmask[:, None] & dmask[None, :]
+        m3 = m2[:, :, None] & vmask[None, None, :]
+        folded = _folded_weight(W, R, cols, dmask, chans, V, swd, swk, K, ACC, BLOCK_D, BLOCK_V)
+        g = tl.load(G + rows[:, None] * sgn + cols[None, :] * sgd, mask=m2, other=0.0).to(ACC)
+        offsets = rows[:, None, None] * (D * V) + cols[None, :, None] * V + chans[None, None, :]
+        tl.store(DX + offsets, (g[:, :, None] * folded[None, :, :]).to(DX.dtype.element_ty), mask=m3)
+        x_rows = X + rows[:, None, None] * sxn + cols[None, :, None] * sxd
+        d_folded = tl.sum(
+            g[:, :, None] * tl.load(x_rows + chans[None, None, :] * sxv, mask=m3, other=0.0).to(ACC), axis=0
+        )
+        for j in tl.static_range(K):
+            d_w_j = tl.sum(d_folded * _shifted_read(R, chans, j, V, K).to(ACC)[None, :], axis=1)  # [BLOCK_D]
+            tl.store(row + cols * K + j, d_w_j, mask=dmask)
+            source = chans - (K - 1) // 2 + j  # dr[i] takes dw[d, i - left + j]
+            shifted = tl.load(x_rows + source[None, None, :] * sxv,
+                              mask=m3 & ((source >= 0) & (source < V))[None, None, :], other=0.0).to(ACC)  # fmt: skip
+            w_j = tl.load(W + cols * swd + j * swk, mask=dmask, other=0.0).to(ACC)
+            d_r += tl.sum(tl.sum(g[:, :, None] * shifted, axis=0) * w_j[:, None], axis=0)
+    tl.store(row + D * K + chans, d_r, mask=vmask)
+
+
+@torch.library.custom_op("ddl_hf::channel_read", mutates_args=())
+def channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """`delta_ops.channel_conv_read`: state `[..., D, d_v]`, the channel convolution `[D, K]`, the read vector
+    `[d_v]` -> `[..., D]` in the state's dtype."""
+    dim, channels = state.shape[-2], state.shape[-1]
+    tokens = state.numel() // (dim * channels) if dim * channels else 0
+    x3 = state.reshape(tokens, dim, channels)
+    _, tl_acc = _accumulator(state, weight)
+    out = torch.empty((tokens, dim), dtype=state.dtype, device=state.device)
+    if tokens:
+        _channel_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+            x3, weight, read, out, tokens, dim, channels, *x3.stride(), *weight.stride(),
+            K=weight.shape[-1], ACC=tl_acc, BLOCK_N=BLOCK_TOKENS,
+            BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return out.view(state.shape[:-1])
+
+
+@channel_read.register_fake
+def _(state, weight, read):
+    return state.new_empty(state.shape[:-1])
+
+
+@torch.library.custom_op("ddl_hf::channel_read_backward", mutates_args=())
+def channel_read_backward(
+    grad: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d_state, d_weights)`: d_weights packs `[d weight (D x K) | d read (d_v)]` in the accumulation dtype."""
+    dim, channels = state.shape[-2], state.shape[-1]
+    tokens = state.numel() // (dim * channels) if dim * channels else 0
+    x3 = state.reshape(tokens, dim, channels)
+    acc, tl_acc = _accumulator(state, weight)
+    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    d_state = torch.empty((tokens, dim, channels), dtype=state.dtype, device=state.device)
+    partial = torch.empty((programs, weight.numel() + channels), dtype=acc, device=state.device)
+    if tokens:
+        g2 = grad.reshape(tokens, dim)
+        _channel_backward_kernel[(programs,)](
+            x3, weight, read, g2, d_state, partial, tokens, dim, channels, *x3.stride(), *weight.stride(),
+            *g2.stride(), K=weight.shape[-1], ACC=tl_acc, BLOCK_N=BLOCK_TOKENS,
+            BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+        )  # fmt: skip
+    return d_state.view(state.shape), partial.sum(0)
+
+
+@channel_read_backward.register_fake
+def _(grad, state, weight, read):
+    acc, _ = _accumulator(state, weight)
+    return state.new_empty(state.shape), weight.new_empty(weight.numel() + state.shape[-1], dtype=acc)
+
+
+def _channel_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _channel_backward(ctx, grad):
+    state, weight, read = ctx.saved_tensors
+    d_state, d_weights = channel_read_backward(grad, state, weight, read)
+    d_weight, d_read = d_weights.to(weight.dtype).split([weight.numel(), read.numel()])
+    return d_state, d_weight.view(weight.shape), d_read
+
+
+channel_read.register_autograd(_channel_backward, setup_context=_channel_setup_context)

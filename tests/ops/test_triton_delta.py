@@ -9,8 +9,10 @@ of the same residual), in float64:
   in float32 within 4x the tensor ops' own float32 error, and with autocast's mixed dtypes (a float32 state beside
   bf16 h, c and read); the hidden dim and the tokens cross the kernels' block edges;
 - two mutants of the kernels (one forward, one backward term) fail the same comparison;
-- the read of an expanded state (`ddl_hf::delta_read`, the linear and CC reads) against `(X * w).sum(-1)`;
-- `torch.library.opcheck` (schema, fake tensors, autograd registration, AOT dispatch) of both ops;
+- the reads of an expanded state against their definitions: linear (`ddl_hf::delta_read`, `(X * w).sum(-1)`), TC
+  (`ddl_hf::temporal_read`, `temporal_conv` with a cached window and packed rows), CC (`ddl_hf::channel_read`,
+  `channel_conv(X, W) @ r`);
+- `torch.library.opcheck` (schema, fake tensors, autograd registration, AOT dispatch) of every op;
 - models: DeltaGPT and DeltaLlama with "triton" against "eager", logits and every gradient, for d_v 1 / 4, paper /
   additive, write-only, CC + EC, TC; and a compiled (fullgraph) training step, one op node per residual.
 What a CPU cannot say: any speed (benchmarks/bench_launches.py counts launches; `checks/gpu_check.py` times a GPU).
@@ -160,6 +162,46 @@ for channels in (2, 4, 8):
                 y = fn(a, w)
                 results.append([y, *torch.autograd.grad((y * cot).sum(), (a, w))])
             reads[f"{channels}-{kind}-{layout}"] = relative_errors(*results)
+# The TC read (`ddl_hf::temporal_read`) against its definition, `temporal_conv(cat([past or zeros, x]), w r).sum(-1)`:
+# one value channel or four, with and without the read vector, K 2 and 4, a cached window, packed rows.
+from ddl_hf.delta_ops import channel_conv, same_document_taps, temporal_conv
+starts = torch.zeros(2, 7, dtype=torch.bool)
+starts[0, 3] = starts[1, 5] = True
+for channels, with_read, size, with_past, packed in itertools.product((1, 4), (False, True), (2, 4), (False, True),
+                                                                      (False, True)):
+    g = torch.Generator().manual_seed(size)
+    x, cot = torch.randn(2, 7, DIM, channels, generator=g, dtype=torch.float64), None
+    weight = torch.randn(DIM, channels, size, generator=g, dtype=torch.float64)
+    read = torch.randn(channels, generator=g, dtype=torch.float64) if with_read else None
+    past = torch.randn(2, size - 1, DIM, channels, generator=g, dtype=torch.float64) if with_past else None
+    taps = same_document_taps(starts, size) if packed else None
+    cot = torch.randn(2, 7, DIM, generator=g, dtype=torch.float64)
+
+    def definition(a, w, r):
+        history = torch.cat([past if past is not None else a.new_zeros(2, size - 1, DIM, channels), a], 1)
+        return temporal_conv(history, w if r is None else w * r[:, None], taps).sum(-1)
+
+    results = []
+    for fn in (lambda a, w, r: triton_delta.temporal_read(a, w, r, past, taps), definition):
+        leaves = [t.clone().requires_grad_() for t in (x, weight) + ((read,) if with_read else ())]
+        y = fn(*leaves, *([] if with_read else [None]))
+        results.append([y, *torch.autograd.grad((y * cot).sum(), leaves)])
+    reads[f"tc-{channels}-{with_read}-{size}-{with_past}-{packed}"] = relative_errors(*results)
+
+# The CC read (`ddl_hf::channel_read`) against its definition, `channel_conv(X, W) @ r`, every kernel size K <= d_v.
+for channels in (2, 4, 8):
+    for size in range(1, channels + 1):
+        g = torch.Generator().manual_seed(10 * channels + size)
+        leaves = [torch.randn(*SHAPE, DIM, channels, generator=g, dtype=torch.float64),
+                  torch.randn(DIM, size, generator=g, dtype=torch.float64),
+                  torch.randn(channels, generator=g, dtype=torch.float64)]
+        cot = torch.randn(*SHAPE, DIM, generator=g, dtype=torch.float64)
+        results = []
+        for fn in (triton_delta.channel_read, lambda a, w, r: channel_conv(a, w) @ r):
+            args = [t.clone().requires_grad_() for t in leaves]
+            y = fn(*args)
+            results.append([y, *torch.autograd.grad((y * cot).sum(), args)])
+        reads[f"cc-{channels}-{size}"] = relative_errors(*results)
 out["reads"] = reads
 print("RESULT", json.dumps(out))
 """
@@ -209,6 +251,14 @@ state = inputs(4)[0].requires_grad_()
 for weight in (torch.randn(4, dtype=torch.float64), torch.randn(DIM, 4, dtype=torch.float64)):
     out[f"read-{weight.dim()}"] = torch.library.opcheck(torch.ops.ddl_hf.delta_read.default,
                                                          (state, weight.requires_grad_()))
+from ddl_hf.delta_ops import same_document_taps
+x = state.detach()[:, :, :, :].requires_grad_()
+weight, read = torch.randn(DIM, 4, 3, dtype=torch.float64).requires_grad_(), torch.randn(4, dtype=torch.float64)
+past, taps = torch.randn(3, 2, DIM, 4, dtype=torch.float64), same_document_taps(torch.rand(3, 7) < 0.3, 3)
+out["temporal_read"] = torch.library.opcheck(torch.ops.ddl_hf.temporal_read.default,
+                                             (x, weight, read.requires_grad_(), past, taps))
+out["channel_read"] = torch.library.opcheck(torch.ops.ddl_hf.channel_read.default,
+                                            (x, torch.randn(DIM, 3, dtype=torch.float64).requires_grad_(), read))
 print("RESULT", json.dumps(out))
 """
 )
@@ -248,10 +298,13 @@ def test_every_combination_matches_the_tensor_ops_in_float64(ops):
         assert max(row["f64"]) <= F64_BOUND, (combination, row["f64"])
 
 
-def test_the_read_matches_the_tensor_ops_in_float64(ops):
-    """d_v 2, 4, 8; a read vector and the CC read's per-hidden weight; a dense and an expanded (stride 0) state."""
-    assert len(ops["reads"]) == 12
-    for case, errors in ops["reads"].items():
+def test_the_reads_match_their_definitions_in_float64(ops):
+    """The linear read (d_v 2, 4, 8; a read vector and a per-hidden weight; a dense and an expanded state), the TC
+    read (1 or 4 channels, with and without the read vector, K 2 and 4, a cached window, packed rows) and the CC read
+    (d_v 2, 4, 8, every K <= d_v), values and gradients."""
+    reads = ops["reads"]
+    assert len(reads) == 12 + 32 + 14
+    for case, errors in reads.items():
         assert max(errors) <= F64_BOUND, (case, errors)
 
 
@@ -279,7 +332,7 @@ def test_a_mutant_kernel_fails_the_comparison():
 
 def test_opcheck_passes_schema_fake_tensors_autograd_and_aot_dispatch():
     reports = in_tritons_interpreter(OPCHECK_SCRIPT)
-    assert len(reports) == 5  # three residual combinations, the read with a vector and a per-hidden weight
+    assert len(reports) == 7  # three residual combinations, the linear read twice, the TC and the CC read
     for combination, report in reports.items():
         assert report and all(result == "SUCCESS" for result in report.values()), (combination, report)
 
