@@ -115,10 +115,14 @@ class DeltaStackMixin:
 
     def delta_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
         """The cache to run with: a new one of the kind the variant needs when asked for (`use_cache`), else the given
-        one, refused where it cannot keep what runs over tokens (DeltaNet's state, the TC / EC windows)."""
+        one, refused where it cannot keep what runs over tokens (DeltaNet's state, the TC / EC windows). A training
+        forward (training mode, autograd on) builds none of those that carry state across tokens unless given one:
+        their windows and states would cost each read a copy of the state, for a cache nobody decodes from. GPT-2's
+        key-value cache (references, no copy) is built as transformers builds it."""
         config = self.config
         delta_net = uses_delta_net(config)
-        if use_cache and cache is None:
+        training = self.training and torch.is_grad_enabled()
+        if use_cache and cache is None and not (training and (delta_net or config.delta_temporal)):
             if delta_net:
                 cache = DeltaNetCache(config)
             else:

@@ -8,7 +8,7 @@ import torch
 from builders import VOCAB, delta_model, open_gates
 
 import ddl_hf
-from ddl_hf.delta_compat import cache_of
+from ddl_hf.delta_compat import cache_argument, cache_of
 from ddl_hf.delta_ops import (
     channel_conv,
     channel_conv_read,
@@ -76,13 +76,15 @@ def test_the_one_pass_tc_read_is_the_convolution_summed_over_channels(steps, cac
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_a_training_forward_with_the_cache_saves_no_second_copy_of_the_state() -> None:
-    """With `use_cache` (the default, also under Trainer) a TC read's cached window is the last K - 1 inputs, and
-    autograd saves the same storages as without a cache: not the whole `[B, K - 1 + T, D, d_v]` history."""
+def test_a_training_forward_builds_no_windows_and_a_given_cache_keeps_only_its_window() -> None:
+    """A training forward (training mode, autograd on) that is not given a cache builds none for a TC model, even with
+    `use_cache` (the default, also under Trainer): no cache out, and autograd saves exactly what it saves without one.
+    Given a cache, a TC read's window is the last K - 1 inputs, and autograd saves the same storages as without a
+    cache: not the whole `[B, K - 1 + T, D, d_v]` history."""
     model = variant_model(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper").train()
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
 
-    def saved_bytes(use_cache: bool) -> tuple[int, object]:
+    def saved_bytes(**kwargs) -> tuple[int, object]:
         storages = {}
 
         def pack(tensor):
@@ -90,16 +92,18 @@ def test_a_training_forward_with_the_cache_saves_no_second_copy_of_the_state() -
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = model(ids, use_cache=use_cache)
+            out = model(ids, **kwargs)
         return sum(storages.values()), out
 
-    without, _ = saved_bytes(False)
-    with_cache, out = saved_bytes(True)
+    without, _ = saved_bytes(use_cache=False)
+    asked, out = saved_bytes(use_cache=True)
+    assert cache_of(out) is None and asked == without
+    given, out = saved_bytes(use_cache=True, **cache_argument(DeltaStateCache(model.config)))
     windows = cache_of(out).delta_windows
     assert windows and all(w.shape[1] == model.config.delta_conv_size - 1 for w in windows.values())
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache_of(out).layers)  # GPT-2 saves these too
     pasts = sum(w.nbytes for w in windows.values())  # each read's K - 1 past inputs (zeros here), saved as a copy
-    assert with_cache <= without + kv + pasts
+    assert given <= without + kv + pasts
 
 
 def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_state_grads() -> None:
