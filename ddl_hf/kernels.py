@@ -80,9 +80,9 @@ def kernels_for(implementation: str, device_type: str) -> DeltaKernels:
             f"TRITON_INTERPRET=1 set before Triton is imported); this model's tensors are on {device_type!r}. Use "
             "'auto' or 'eager'."
         )
-    from .triton_delta import channel_read, read, residual, temporal_read
+    from .triton_delta import channel_conv_read, read, residual, temporal_conv_read
 
-    triton_ops = dict(residual=residual, read=read, channel_read=channel_read, temporal_read=temporal_read)
+    triton_ops = dict(residual=residual, read=read, channel_read=channel_conv_read, temporal_read=temporal_conv_read)
     return _fla_only()._replace(**triton_ops)
 
 

@@ -25,6 +25,10 @@ dg = dbeta 2 rho sigma (1 - sigma), drho = dbeta 2 sigma (rho's clamp passes its
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -275,6 +279,49 @@ def _read_backward_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Each op twice over the same functions: a `torch.library` custom op (what torch.compile, export and fake tensors see:
+# one node) and, in eager mode, a plain autograd.Function. The custom op's Python dispatch costs ~0.3 ms of host time
+# a residual on a 2-core CPU (forward and backward, kernels stubbed; benchmarks/bench_launches.py), more than the
+# tensor ops it replaces.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Spec(NamedTuple):
+    """An op's forward (the custom op's function), its autograd `setup_context` and `backward`."""
+
+    forward: Callable
+    setup_context: Callable
+    backward: Callable
+
+
+class _Eager(torch.autograd.Function):
+    """`spec`'s forward and backward as one autograd node, outside torch.compile (real tensors only: tracing takes
+    the custom op)."""
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, *args):
+        out = spec.forward(*args)
+        spec.setup_context(ctx, args, out)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *ctx.spec.backward(ctx, *grads)
+
+
+def _specs(op, forward: Callable, setup_context: Callable, backward: Callable, backward_op, backward_function) -> _Spec:
+    """Register `op`'s autograd (its backward through the backward custom op, which tracing sees) and return the
+    eager spec (the same backward through the backward op's function)."""
+    op.register_autograd(functools.partial(backward, backward_op=backward_op), setup_context=setup_context)
+    return _Spec(forward, setup_context, functools.partial(backward, backward_op=backward_function))
+
+
+def _call(op, spec: _Spec, *args):
+    return op(*args) if torch.compiler.is_compiling() else _Eager.apply(spec, *args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The op: `ddl_hf::delta_residual`, its backward, autograd and fake implementations.
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -309,8 +356,7 @@ def _out_dtype(state: torch.Tensor, h: torch.Tensor, additive: bool) -> torch.dt
     return torch.promote_types(state.dtype, h.dtype) if additive else state.dtype
 
 
-@torch.library.custom_op("ddl_hf::delta_residual", mutates_args=())
-def delta_residual(
+def _delta_residual(
     state: torch.Tensor,
     read: torch.Tensor | None,
     c: torch.Tensor,
@@ -349,6 +395,9 @@ def delta_residual(
     return out.view(state.shape), beta
 
 
+delta_residual = torch.library.custom_op("ddl_hf::delta_residual", _delta_residual, mutates_args=())
+
+
 @delta_residual.register_fake
 def _(state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias, value_mode, value_scale,
       value_constant, eps, additive, erase):  # fmt: skip
@@ -357,8 +406,7 @@ def _(state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_
     return out, h.new_empty(h.shape[:-1], dtype=acc)
 
 
-@torch.library.custom_op("ddl_hf::delta_residual_backward", mutates_args=())
-def delta_residual_backward(
+def _delta_residual_backward(
     grad_state: torch.Tensor,
     grad_beta: torch.Tensor | None,
     state: torch.Tensor | None,
@@ -408,6 +456,11 @@ def delta_residual_backward(
     return d_state.view(grad_state.shape), d_read, d_c, d_h, partial.sum(0)
 
 
+delta_residual_backward = torch.library.custom_op(
+    "ddl_hf::delta_residual_backward", _delta_residual_backward, mutates_args=()
+)
+
+
 @delta_residual_backward.register_fake
 def _(grad_state, grad_beta, state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias,
       value_mode, value_scale, value_constant, eps, additive, erase, state_dtype):  # fmt: skip
@@ -441,11 +494,11 @@ def _setup_context(ctx, inputs, output) -> None:
                           value_bias)  # fmt: skip
 
 
-def _backward(ctx, grad_state, grad_beta):
+def _backward(ctx, grad_state, grad_beta, backward_op):
     state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias = ctx.saved_tensors
     if grad_state is None:  # only beta was used (grads are not materialised): the state's gradient is zero
         grad_state = h.new_zeros(ctx.out_shape, dtype=ctx.out_dtype)
-    d_state, d_read, d_c, d_h, d_weights = delta_residual_backward(
+    d_state, d_read, d_c, d_h, d_weights = backward_op(
         grad_state, grad_beta, state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias,
         *ctx.settings, ctx.state_dtype,
     )  # fmt: skip
@@ -475,7 +528,9 @@ def _backward(ctx, grad_state, grad_beta):
     )
 
 
-delta_residual.register_autograd(_backward, setup_context=_setup_context)
+_RESIDUAL = _specs(
+    delta_residual, _delta_residual, _setup_context, _backward, delta_residual_backward, _delta_residual_backward
+)
 
 
 def residual(
@@ -488,7 +543,8 @@ def residual(
         mode, read = VALUE_LINEAR, None
     else:
         mode, read = VALUE_SIGMOID, x
-    return delta_residual(
+    return _call(
+        delta_residual, _RESIDUAL,
         state, read, c, h, weights.gate_weight, weights.gate_bias, weights.beta_open, weights.value_weight,
         weights.value_bias, mode, 1.0 if weights.value_scale is None else weights.value_scale,
         weights.value_constant, weights.eps, weights.additive, weights.erase,
@@ -508,8 +564,7 @@ def _read_layout(state: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, i
     return tokens, dim, channels, state.reshape(tokens, dim, channels), w2
 
 
-@torch.library.custom_op("ddl_hf::delta_read", mutates_args=())
-def delta_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _delta_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x = X w over the value channels: state `[..., D, d_v]`, weight `[d_v]` (the read vector) or `[D, d_v]`;
     `[..., D]` in the state's dtype (under autocast too: the read is not rounded to half precision)."""
     tokens, dim, channels, x3, w2 = _read_layout(state, weight)
@@ -524,13 +579,15 @@ def delta_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(state.shape[:-1])
 
 
+delta_read = torch.library.custom_op("ddl_hf::delta_read", _delta_read, mutates_args=())
+
+
 @delta_read.register_fake
 def _(state, weight):
     return state.new_empty(state.shape[:-1])
 
 
-@torch.library.custom_op("ddl_hf::delta_read_backward", mutates_args=())
-def delta_read_backward(
+def _delta_read_backward(
     grad: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(d_state, d_weight)`, d_weight in the accumulation dtype, shaped like `weight`."""
@@ -550,6 +607,9 @@ def delta_read_backward(
     return d_state.view(state.shape), partial.sum(0).view(weight.shape)
 
 
+delta_read_backward = torch.library.custom_op("ddl_hf::delta_read_backward", _delta_read_backward, mutates_args=())
+
+
 @delta_read_backward.register_fake
 def _(grad, state, weight):
     acc, _ = _accumulator(state, weight)
@@ -560,19 +620,19 @@ def _read_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _read_backward(ctx, grad):
+def _read_backward(ctx, grad, backward_op):
     state, weight = ctx.saved_tensors
-    d_state, d_weight = delta_read_backward(grad, state, weight)
+    d_state, d_weight = backward_op(grad, state, weight)
     return d_state, d_weight.to(weight.dtype)
 
 
-delta_read.register_autograd(_read_backward, setup_context=_read_setup_context)
+_READ = _specs(delta_read, _delta_read, _read_setup_context, _read_backward, delta_read_backward, _delta_read_backward)
 
 
 def read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`DeltaRead`'s `state @ w` (a read vector `[d_v]`; also a per-hidden `[D, d_v]` weight) as one
     `ddl_hf::delta_read` call."""
-    return delta_read(state, weight)
+    return _call(delta_read, _READ, state, weight)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -696,8 +756,7 @@ def _temporal_args(x, weight, past, same_document):
     return batch * steps, steps, dim, channels, p, sd, strides
 
 
-@torch.library.custom_op("ddl_hf::temporal_read", mutates_args=())
-def temporal_read(
+def _temporal_read(
     x: torch.Tensor,
     weight: torch.Tensor,
     read: torch.Tensor | None,
@@ -720,13 +779,15 @@ def temporal_read(
     return out
 
 
+temporal_read = torch.library.custom_op("ddl_hf::temporal_read", _temporal_read, mutates_args=())
+
+
 @temporal_read.register_fake
 def _(x, weight, read, past, same_document):
     return x.new_empty(x.shape[:-1])
 
 
-@torch.library.custom_op("ddl_hf::temporal_read_backward", mutates_args=())
-def temporal_read_backward(
+def _temporal_read_backward(
     grad: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -754,6 +815,11 @@ def temporal_read_backward(
     return d_x, partial.sum(0)
 
 
+temporal_read_backward = torch.library.custom_op(
+    "ddl_hf::temporal_read_backward", _temporal_read_backward, mutates_args=()
+)
+
+
 @temporal_read_backward.register_fake
 def _(grad, x, weight, read, past, same_document):
     acc, _ = _accumulator(x, weight)
@@ -765,14 +831,32 @@ def _temporal_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _temporal_backward(ctx, grad):
+def _temporal_backward(ctx, grad, backward_op):
     x, weight, read, past, same_document = ctx.saved_tensors
-    d_x, d_weights = temporal_read_backward(grad, x, weight, read, past, same_document)
+    d_x, d_weights = backward_op(grad, x, weight, read, past, same_document)
     d_weight, d_read = d_weights.to(weight.dtype).split([weight.numel(), d_weights.numel() - weight.numel()])
     return d_x, d_weight.view(weight.shape), None if read is None else d_read, None, None
 
 
-temporal_read.register_autograd(_temporal_backward, setup_context=_temporal_setup_context)
+_TEMPORAL = _specs(
+    temporal_read,
+    _temporal_read,
+    _temporal_setup_context,
+    _temporal_backward,
+    temporal_read_backward,
+    _temporal_read_backward,
+)
+
+
+def temporal_conv_read(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    read: torch.Tensor | None,
+    past: torch.Tensor | None,
+    same_document: torch.Tensor | None,
+) -> torch.Tensor:
+    """A TC read (`DeltaKernels.temporal_read`) as one `ddl_hf::temporal_read` call."""
+    return _call(temporal_read, _TEMPORAL, x, weight, read, past, same_document)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -857,8 +941,7 @@ def _channel_backward_kernel(
     tl.store(row + D * K + chans, d_r, mask=vmask)
 
 
-@torch.library.custom_op("ddl_hf::channel_read", mutates_args=())
-def channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+def _channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     """`delta_ops.channel_conv_read`: state `[..., D, d_v]`, the channel convolution `[D, K]`, the read vector
     `[d_v]` -> `[..., D]` in the state's dtype."""
     dim, channels = state.shape[-2], state.shape[-1]
@@ -875,13 +958,15 @@ def channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) 
     return out.view(state.shape[:-1])
 
 
+channel_read = torch.library.custom_op("ddl_hf::channel_read", _channel_read, mutates_args=())
+
+
 @channel_read.register_fake
 def _(state, weight, read):
     return state.new_empty(state.shape[:-1])
 
 
-@torch.library.custom_op("ddl_hf::channel_read_backward", mutates_args=())
-def channel_read_backward(
+def _channel_read_backward(
     grad: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(d_state, d_weights)`: d_weights packs `[d weight (D x K) | d read (d_v)]` in the accumulation dtype."""
@@ -902,6 +987,11 @@ def channel_read_backward(
     return d_state.view(state.shape), partial.sum(0)
 
 
+channel_read_backward = torch.library.custom_op(
+    "ddl_hf::channel_read_backward", _channel_read_backward, mutates_args=()
+)
+
+
 @channel_read_backward.register_fake
 def _(grad, state, weight, read):
     acc, _ = _accumulator(state, weight)
@@ -912,11 +1002,23 @@ def _channel_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _channel_backward(ctx, grad):
+def _channel_backward(ctx, grad, backward_op):
     state, weight, read = ctx.saved_tensors
-    d_state, d_weights = channel_read_backward(grad, state, weight, read)
+    d_state, d_weights = backward_op(grad, state, weight, read)
     d_weight, d_read = d_weights.to(weight.dtype).split([weight.numel(), read.numel()])
     return d_state, d_weight.view(weight.shape), d_read
 
 
-channel_read.register_autograd(_channel_backward, setup_context=_channel_setup_context)
+_CHANNEL = _specs(
+    channel_read,
+    _channel_read,
+    _channel_setup_context,
+    _channel_backward,
+    channel_read_backward,
+    _channel_read_backward,
+)
+
+
+def channel_conv_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """A CC read (`DeltaKernels.channel_read`) as one `ddl_hf::channel_read` call."""
+    return _call(channel_read, _CHANNEL, state, weight, read)
