@@ -94,7 +94,7 @@ def _forward_kernel(
     ACC: tl.constexpr, VALUE: tl.constexpr, ADDITIVE: tl.constexpr, ERASE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     rmask = rows < N
     chans = tl.arange(0, BLOCK_V)
     vmask = chans < V
@@ -139,7 +139,7 @@ def _backward_kernel(
     """PARTIAL row per program (WIDTH long): [dw_g (D) | db_g | drho | dW_v (V x D) | db_v (V)] (no dW_v, db_v for
     the constant value), summed over programs after."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     rmask = rows < N
     chans = tl.arange(0, BLOCK_V)
     vmask = chans < V
@@ -178,7 +178,7 @@ def _backward_kernel(
         d_z = b_kg
     d_z = tl.where(rmask[:, None] & vmask[None, :], d_z, 0.0)
     erase_coef = -r2 * b_kg  # the erase term's weight on X in dh and on h in dX
-    row = PARTIAL + pid * WIDTH
+    row = PARTIAL + pid.to(tl.int64) * WIDTH
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         dmask = cols < D
@@ -228,7 +228,7 @@ def _read_forward_kernel(
     ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """x[n, d] = sum_v X[n, d, v] w[d, v] (a read vector: swd = 0), summed over v as a tree."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     chans = tl.arange(0, BLOCK_V)
     rmask, vmask = rows < N, chans < V
     for d0 in range(0, D, BLOCK_D):
@@ -253,7 +253,7 @@ def _read_backward_kernel(
     """dX[n, d, v] = g[n, d] w[d, v]; PARTIAL row per program: dw summed over its tokens, `[D, V]` (PER_HIDDEN) or
     also over d, `[V]` (a read vector)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     chans = tl.arange(0, BLOCK_V)
     rmask, vmask = rows < N, chans < V
     d_w = tl.zeros([BLOCK_V], dtype=ACC)
@@ -270,12 +270,12 @@ def _read_backward_kernel(
                     other=0.0).to(ACC)  # fmt: skip
         d_wd = tl.sum(g[:, :, None] * x, axis=0)  # [BLOCK_D, BLOCK_V]
         if PER_HIDDEN:
-            tl.store(PARTIAL + pid * D * V + cols[:, None] * V + chans[None, :], d_wd,
+            tl.store(PARTIAL + pid.to(tl.int64) * D * V + cols[:, None] * V + chans[None, :], d_wd,
                      mask=dmask[:, None] & vmask[None, :])  # fmt: skip
         else:
             d_w += tl.sum(d_wd, axis=0)
     if not PER_HIDDEN:
-        tl.store(PARTIAL + pid * V + chans, d_w, mask=vmask)
+        tl.store(PARTIAL + pid.to(tl.int64) * V + chans, d_w, mask=vmask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -663,7 +663,7 @@ def _temporal_forward_kernel(
 ):  # fmt: skip
     """y[b, t, d] = sum_j sum_v w[d, v, j] r[v] X[b, t - (K - 1 - j), d, v] (x keep[b, t, j] in packed rows; r the
     read vector, 1 without)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     rmask = rows < N
     b, t = rows // T, rows % T
     chans = tl.arange(0, BLOCK_V)
@@ -699,14 +699,14 @@ def _temporal_backward_kernel(
     """dX[b, s, d, v] = sum_j g[b, s + K - 1 - j, d] w[d, v, j] r[v] (keep) over the taps that stay inside the
     sequence; PARTIAL row per program: [dw (D x V x K) | dr (V, with a read vector)] summed over its output rows."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     rmask = rows < N
     b, t = rows // T, rows % T
     chans = tl.arange(0, BLOCK_V)
     vmask = chans < V
     r = tl.load(R + chans, mask=vmask, other=0.0).to(ACC) if HAS_READ else tl.full([BLOCK_V], 1.0, ACC)
     d_r = tl.zeros([BLOCK_V], dtype=ACC)
-    row = PARTIAL + pid * (D * V * K + (V if HAS_READ else 0))
+    row = PARTIAL + pid.to(tl.int64) * (D * V * K + (V if HAS_READ else 0))
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         dmask = cols < D
@@ -888,7 +888,7 @@ def _channel_forward_kernel(
     X, W, R, OUT, N, D, V, sxn, sxd, sxv, swd, swk,
     K: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     chans = tl.arange(0, BLOCK_V)
     rmask, vmask = rows < N, chans < V
     for d0 in range(0, D, BLOCK_D):
@@ -912,10 +912,10 @@ def _channel_backward_kernel(
     dW[d, j] = sum_c dw[d, c] r[c + left - j] and dr[i] = sum_{d, j} dw[d, i - left + j] W[d, j], with
     dw[d, c] = sum_n g[n, d] X[n, d, c] (read at the shifted channels for dr)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     chans = tl.arange(0, BLOCK_V)
     rmask, vmask = rows < N, chans < V
-    row = PARTIAL + pid * (D * K + V)
+    row = PARTIAL + pid.to(tl.int64) * (D * K + V)
     d_r = tl.zeros([BLOCK_V], dtype=ACC)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
