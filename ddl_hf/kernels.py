@@ -8,8 +8,8 @@ may run different kernels:
 - "triton": on CUDA one Triton op per Delta residual and one per read (linear, CC, TC: `triton_delta`), and fla's
   delta rule; on the CPU the same under Triton's interpreter (`TRITON_INTERPRET=1`), else an error.
 - "native": on the CPU the native kernels (`native`: the write, the TC read, the inference step); elsewhere an error.
-- "auto": on CUDA as "triton" where Triton imports, else the tensor ops (and fla's delta rule where installed); on
-  the CPU the tensor ops.
+- "auto": on CUDA as "triton" where Triton imports and the GPU is one Triton runs on (compute capability 7.0+), else
+  the tensor ops (and fla's delta rule where installed); on the CPU the tensor ops.
 
 "auto" takes the native CPU kernels only when asked for by name: they are compiled on first use (~30 s, a C++
 compiler and ninja), which a model's first forward should not do unasked.
@@ -72,18 +72,42 @@ def kernels_for(implementation: str, device_type: str) -> DeltaKernels:
 
         return native_kernels()
     cuda = device_type == "cuda"
-    if implementation == "auto" and not (cuda and triton_problem() is None):
-        return _fla_only() if cuda else TENSOR_OPS
+    if implementation == "auto":
+        triton_ops = _triton_ops() if cuda else None  # None where Triton cannot run here: the tensor ops
+        fla = _fla_only() if cuda else TENSOR_OPS
+        return fla if triton_ops is None else fla._replace(**triton_ops)
     if not cuda and not (device_type == "cpu" and interpreting_triton()):
         raise DeltaImplementationUnavailable(
             f"delta_implementation='triton' runs on CUDA tensors (or CPU tensors under Triton's interpreter, "
             f"TRITON_INTERPRET=1 set before Triton is imported); this model's tensors are on {device_type!r}. Use "
             "'auto' or 'eager'."
         )
+    triton_ops = _triton_ops() if cuda else _import_triton_ops()
+    if triton_ops is None:
+        raise DeltaImplementationUnavailable(
+            "delta_implementation='triton' cannot run on this GPU (Triton needs compute capability 7.0 or newer, "
+            "and an importable Triton). Use 'auto' or 'eager'."
+        )
+    return (_fla_only() if cuda else TENSOR_OPS)._replace(**triton_ops)
+
+
+def _import_triton_ops() -> dict:
+    """`triton_delta`'s ops by `DeltaKernels` field (importing Triton)."""
     from .triton_delta import channel_conv_read, read, residual, temporal_conv_read
 
-    triton_ops = dict(residual=residual, read=read, channel_read=channel_conv_read, temporal_read=temporal_conv_read)
-    return _fla_only()._replace(**triton_ops)
+    return dict(residual=residual, read=read, channel_read=channel_conv_read, temporal_read=temporal_conv_read)
+
+
+def _triton_ops() -> dict | None:
+    """The Triton ops by `DeltaKernels` field, or None where "auto" must not take them: Triton missing or failing to
+    import, or a GPU older than Triton's (compute capability below 7.0)."""
+    too_old = torch.cuda.is_available() and torch.cuda.get_device_capability() < (7, 0)
+    if triton_problem() is not None or too_old:
+        return None
+    try:
+        return _import_triton_ops()
+    except ImportError:
+        return None
 
 
 def prepare(implementation: str) -> dict[str, DeltaKernels]:

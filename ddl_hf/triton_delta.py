@@ -286,6 +286,21 @@ def _read_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _on_its_device(function: Callable) -> Callable:
+    """Run `function` with its first tensor's CUDA device current: Triton launches on the current device and stream,
+    not on the tensors' (a model spread over GPUs, a process that never called `torch.cuda.set_device`)."""
+
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        if device.type != "cuda":
+            return function(*args, **kwargs)
+        with torch.cuda.device(device):
+            return function(*args, **kwargs)
+
+    return guarded
+
+
 class _Spec(NamedTuple):
     """An op's forward (the custom op's function), its autograd `setup_context` and `backward`."""
 
@@ -306,6 +321,7 @@ class _Eager(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         return None, *ctx.spec.backward(ctx, *grads)
 
@@ -356,6 +372,7 @@ def _out_dtype(state: torch.Tensor, h: torch.Tensor, additive: bool) -> torch.dt
     return torch.promote_types(state.dtype, h.dtype) if additive else state.dtype
 
 
+@_on_its_device
 def _delta_residual(
     state: torch.Tensor,
     read: torch.Tensor | None,
@@ -377,14 +394,15 @@ def _delta_residual(
     beta `[...]`. `read` is the read x (the sigmoid value's input; None otherwise)."""
     tokens, dim, channels, x3 = _layout(state, h)
     acc, tl_acc = _accumulator(state, h, c, gate_weight)
-    out = torch.empty((tokens, dim, channels), dtype=_out_dtype(state, h, additive), device=state.device)
+    out = torch.empty(state.shape, dtype=_out_dtype(state, h, additive), device=state.device)  # [N, D, V] rows
     beta = torch.empty(h.shape[:-1], dtype=acc, device=state.device)
     if tokens:
         c2, h2 = _rows(c, tokens, dim), _rows(h, tokens, dim)
         r2 = c2 if read is None else _rows(read, tokens, dim)
         gate_weight = gate_weight.contiguous()  # the kernels read weights as contiguous rows (no-op for nn.Linear's)
         vw = gate_weight if value_weight is None else value_weight.contiguous()
-        vb = gate_bias if value_bias is None else value_bias
+        vb = (gate_bias if value_bias is None else value_bias).contiguous()
+        gate_bias, beta_open = gate_bias.contiguous(), beta_open.contiguous()
         _forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, out, beta,
             tokens, dim, channels, value_scale, value_constant, eps,
@@ -392,7 +410,7 @@ def _delta_residual(
             ACC=tl_acc, VALUE=value_mode, ADDITIVE=additive, ERASE=erase,
             BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
         )  # fmt: skip
-    return out.view(state.shape), beta
+    return out, beta
 
 
 delta_residual = torch.library.custom_op("ddl_hf::delta_residual", _delta_residual, mutates_args=())
@@ -406,6 +424,7 @@ def _(state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_
     return out, h.new_empty(h.shape[:-1], dtype=acc)
 
 
+@_on_its_device
 def _delta_residual_backward(
     grad_state: torch.Tensor,
     grad_beta: torch.Tensor | None,
@@ -444,7 +463,8 @@ def _delta_residual_backward(
         r2 = c2 if read is None else _rows(read, tokens, dim)
         gate_weight = gate_weight.contiguous()  # the kernels read weights as contiguous rows (no-op for nn.Linear's)
         vw = gate_weight if value_weight is None else value_weight.contiguous()
-        vb = gate_bias if value_bias is None else value_bias
+        vb = (gate_bias if value_bias is None else value_bias).contiguous()
+        gate_bias, beta_open = gate_bias.contiguous(), beta_open.contiguous()
         _backward_kernel[(programs,)](
             x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, g3, gb,
             d_state, d_read if read is not None else d_c, d_c, d_h, partial, width,
@@ -467,13 +487,13 @@ def _(grad_state, grad_beta, state, read, c, h, gate_weight, gate_bias, beta_ope
     acc, _ = _accumulator(grad_state, h, c, gate_weight)
     channels = 1 if grad_state.dim() == h.dim() else grad_state.shape[-1]
     dim = h.shape[-1]
-    d_read = torch.empty_like(read) if value_mode == VALUE_SIGMOID else h.new_empty(0)
+    d_read = read.new_empty(read.shape) if value_mode == VALUE_SIGMOID else h.new_empty(0)
     width = _weights_width(dim, channels, value_mode)
     return (
         grad_state.new_empty(grad_state.shape, dtype=state_dtype),
         d_read,
-        torch.empty_like(c),
-        torch.empty_like(h),
+        c.new_empty(c.shape),
+        h.new_empty(h.shape),
         h.new_empty(width, dtype=acc),
     )
 
@@ -564,19 +584,20 @@ def _read_layout(state: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, i
     return tokens, dim, channels, state.reshape(tokens, dim, channels), w2
 
 
+@_on_its_device
 def _delta_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x = X w over the value channels: state `[..., D, d_v]`, weight `[d_v]` (the read vector) or `[D, d_v]`;
     `[..., D]` in the state's dtype (under autocast too: the read is not rounded to half precision)."""
     tokens, dim, channels, x3, w2 = _read_layout(state, weight)
     _, tl_acc = _accumulator(state, weight)
-    out = torch.empty((tokens, dim), dtype=state.dtype, device=state.device)
+    out = torch.empty(state.shape[:-1], dtype=state.dtype, device=state.device)  # [N, D] rows
     if tokens:
         _read_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             x3, w2, out, tokens, dim, channels, *x3.stride(), *w2.stride(),
             ACC=tl_acc, BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)),
             BLOCK_V=_block_v(channels),
         )  # fmt: skip
-    return out.view(state.shape[:-1])
+    return out
 
 
 delta_read = torch.library.custom_op("ddl_hf::delta_read", _delta_read, mutates_args=())
@@ -587,6 +608,7 @@ def _(state, weight):
     return state.new_empty(state.shape[:-1])
 
 
+@_on_its_device
 def _delta_read_backward(
     grad: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -746,16 +768,18 @@ def _temporal_backward_kernel(
         tl.store(row + D * V * K + chans, d_r, mask=vmask)
 
 
-def _temporal_args(x, weight, past, same_document):
-    """The kernels' common arguments: x `[B, T, D, V]`, weight `[D, V, K]`, past `[B, K - 1, D, V]` or x (unused),
-    same_document `[B, T, K]` as int8 or x (unused), and their strides."""
+def _temporal_args(x, weight, read, past, same_document):
+    """The kernels' common arguments: the read vector (contiguous) or weight (unused), x `[B, T, D, V]`, weight
+    `[D, V, K]`, past `[B, K - 1, D, V]` or x (unused), same_document `[B, T, K]` as int8 or x (unused), strides."""
+    r = weight if read is None else read.contiguous()
     batch, steps, dim, channels = x.shape
     p = x if past is None else past
     sd = x if same_document is None else same_document.to(torch.int8)
     strides = (*x.stride(), *weight.stride(), *p.stride(), *(sd.stride() if same_document is not None else (0, 0, 0)))
-    return batch * steps, steps, dim, channels, p, sd, strides
+    return r, batch * steps, steps, dim, channels, p, sd, strides
 
 
+@_on_its_device
 def _temporal_read(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -766,12 +790,12 @@ def _temporal_read(
     """`delta_ops.temporal_conv_read` with the kernels `weight * read[:, None]`: x `[B, T, D, d_v]`, weight
     `[D, d_v, K]`, read `[d_v]` or None, past `[B, K - 1, D, d_v]` or None, same_document `[B, T, K]` bool or None ->
     `[B, T, D]` in x's dtype."""
-    tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, past, same_document)
+    r, tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, read, past, same_document)
     _, tl_acc = _accumulator(x, weight)
     out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
     if tokens:
         _temporal_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
-            x, weight, weight if read is None else read, p, sd, out, tokens, steps, dim, channels, *strides,
+            x, weight, r, p, sd, out, tokens, steps, dim, channels, *strides,
             K=weight.shape[-1], HAS_READ=read is not None, HAS_PAST=past is not None,
             HAS_DOC=same_document is not None, ACC=tl_acc,
             BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
@@ -787,6 +811,7 @@ def _(x, weight, read, past, same_document):
     return x.new_empty(x.shape[:-1])
 
 
+@_on_its_device
 def _temporal_read_backward(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -797,7 +822,7 @@ def _temporal_read_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(d_x, d_weights)`: d_weights packs `[d weight (D x d_v x K) | d read (d_v; none without)]` in the
     accumulation dtype."""
-    tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, past, same_document)
+    r, tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, read, past, same_document)
     acc, tl_acc = _accumulator(x, weight)
     programs = triton.cdiv(tokens, BLOCK_TOKENS)
     d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -806,7 +831,7 @@ def _temporal_read_backward(
     if tokens:
         g2 = grad.reshape(tokens, dim)
         _temporal_backward_kernel[(programs,)](
-            x, weight, weight if read is None else read, p, sd, g2, d_x, partial, tokens, steps, dim, channels,
+            x, weight, r, p, sd, g2, d_x, partial, tokens, steps, dim, channels,
             *strides, *g2.stride(),
             K=weight.shape[-1], HAS_READ=read is not None, HAS_PAST=past is not None,
             HAS_DOC=same_document is not None, ACC=tl_acc,
@@ -941,6 +966,7 @@ def _channel_backward_kernel(
     tl.store(row + D * K + chans, d_r, mask=vmask)
 
 
+@_on_its_device
 def _channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     """`delta_ops.channel_conv_read`: state `[..., D, d_v]`, the channel convolution `[D, K]`, the read vector
     `[d_v]` -> `[..., D]` in the state's dtype."""
@@ -948,14 +974,14 @@ def _channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor)
     tokens = state.numel() // (dim * channels) if dim * channels else 0
     x3 = state.reshape(tokens, dim, channels)
     _, tl_acc = _accumulator(state, weight)
-    out = torch.empty((tokens, dim), dtype=state.dtype, device=state.device)
+    out = torch.empty(state.shape[:-1], dtype=state.dtype, device=state.device)  # [N, D] rows
     if tokens:
         _channel_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
-            x3, weight, read, out, tokens, dim, channels, *x3.stride(), *weight.stride(),
+            x3, weight, read.contiguous(), out, tokens, dim, channels, *x3.stride(), *weight.stride(),
             K=weight.shape[-1], ACC=tl_acc, BLOCK_N=BLOCK_TOKENS,
             BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
         )  # fmt: skip
-    return out.view(state.shape[:-1])
+    return out
 
 
 channel_read = torch.library.custom_op("ddl_hf::channel_read", _channel_read, mutates_args=())
@@ -966,6 +992,7 @@ def _(state, weight, read):
     return state.new_empty(state.shape[:-1])
 
 
+@_on_its_device
 def _channel_read_backward(
     grad: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -980,7 +1007,7 @@ def _channel_read_backward(
     if tokens:
         g2 = grad.reshape(tokens, dim)
         _channel_backward_kernel[(programs,)](
-            x3, weight, read, g2, d_state, partial, tokens, dim, channels, *x3.stride(), *weight.stride(),
+            x3, weight, read.contiguous(), g2, d_state, partial, tokens, dim, channels, *x3.stride(), *weight.stride(),
             *g2.stride(), K=weight.shape[-1], ACC=tl_acc, BLOCK_N=BLOCK_TOKENS,
             BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
         )  # fmt: skip

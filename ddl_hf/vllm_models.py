@@ -208,8 +208,12 @@ class ServingWindows:
     def __init__(self, windows: dict[str, DeltaWindow]):
         self.windows = windows
 
-    def convolve_read(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
-        return self.windows[key](x, weight)
+    def convolve_read(
+        self, x: torch.Tensor, key: str, weight: torch.Tensor, read: torch.Tensor | None = None, kernels=None
+    ) -> torch.Tensor:
+        """The TC read with the read vector folded into the kernels (`DeltaConvContext.convolve_read`); the window's
+        own op reads the state (`kernels`, the model's, is for the transformers route)."""
+        return self.windows[key](x, weight if read is None else weight * read[:, None])
 
     def convolve(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
         return self.windows[key](x, weight)
@@ -344,6 +348,9 @@ class DeltaStack(nn.Module):
     the windows, and the read-out before the final norm (transformers' `DeltaStackMixin`)."""
 
     def delta_init(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+        # The tensor ops, which vLLM's compilation fuses: the Triton ops of `delta_implementation="auto"` have not
+        # run inside vLLM's compiled graphs and CUDA graphs yet. Set before any Delta module reads it.
+        config.delta_implementation = "eager"
         self.value_channels = config.delta_value_channels
         self.embed_expand = (
             DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)

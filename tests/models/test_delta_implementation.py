@@ -12,6 +12,7 @@ tests/ops/test_triton_delta.py, tests/ops/test_fla_kernels.py.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 
 import pytest
@@ -187,3 +188,23 @@ def test_the_first_forward_of_a_process_compiles_into_one_graph(cold_kernel_cach
         logits = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
         expected = model(ids).logits
     torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize(("capability", "takes_triton"), [((6, 0), False), ((7, 0), True), ((9, 0), True)])
+def test_auto_takes_triton_only_on_a_gpu_triton_runs_on(monkeypatch, capability, takes_triton):
+    """ "auto" on CUDA takes the Triton ops on compute capability 7.0 and newer and the tensor ops on older GPUs
+    (Triton does not run there); asking for "triton" on such a GPU is a clear error. The GPU is simulated: what the
+    choice reads of it is `torch.cuda`'s answer."""
+    from ddl_hf import kernels, triton_delta
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    chosen = kernels.kernels_for("auto", "cuda")
+    assert (chosen.residual is triton_delta.residual) == takes_triton
+    assert (chosen.read is triton_delta.read) == takes_triton
+    if takes_triton:
+        assert kernels.kernels_for("triton", "cuda").residual is triton_delta.residual
+    else:
+        with pytest.raises(kernels.DeltaImplementationUnavailable, match=r"compute capability 7\.0"):
+            kernels.kernels_for("triton", "cuda")
