@@ -302,11 +302,13 @@ def _on_its_device(function: Callable) -> Callable:
 
 
 class _Spec(NamedTuple):
-    """An op's forward (the custom op's function), its autograd `setup_context` and `backward`."""
+    """An op's forward (the custom op's function), its autograd `setup_context` and `backward`, and its eager
+    autograd node (an `_Eager` named after the op: profiles count it under the op's name)."""
 
     forward: Callable
     setup_context: Callable
     backward: Callable
+    function: type
 
 
 class _Eager(torch.autograd.Function):
@@ -326,15 +328,18 @@ class _Eager(torch.autograd.Function):
         return None, *ctx.spec.backward(ctx, *grads)
 
 
-def _specs(op, forward: Callable, setup_context: Callable, backward: Callable, backward_op, backward_function) -> _Spec:
+def _specs(
+    name: str, op, forward: Callable, setup_context: Callable, backward: Callable, backward_op, backward_function
+) -> _Spec:
     """Register `op`'s autograd (its backward through the backward custom op, which tracing sees) and return the
-    eager spec (the same backward through the backward op's function)."""
+    eager spec (the same backward through the backward op's function, in a node named `name`, the op's)."""
     op.register_autograd(functools.partial(backward, backward_op=backward_op), setup_context=setup_context)
-    return _Spec(forward, setup_context, functools.partial(backward, backward_op=backward_function))
+    eager = type(name, (_Eager,), {"__module__": __name__})
+    return _Spec(forward, setup_context, functools.partial(backward, backward_op=backward_function), eager)
 
 
 def _call(op, spec: _Spec, *args):
-    return op(*args) if torch.compiler.is_compiling() else _Eager.apply(spec, *args)
+    return op(*args) if torch.compiler.is_compiling() else spec.function.apply(spec, *args)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -549,7 +554,13 @@ def _backward(ctx, grad_state, grad_beta, backward_op):
 
 
 _RESIDUAL = _specs(
-    delta_residual, _delta_residual, _setup_context, _backward, delta_residual_backward, _delta_residual_backward
+    "ddl_hf::delta_residual",
+    delta_residual,
+    _delta_residual,
+    _setup_context,
+    _backward,
+    delta_residual_backward,
+    _delta_residual_backward,
 )
 
 
@@ -648,7 +659,15 @@ def _read_backward(ctx, grad, backward_op):
     return d_state, d_weight.to(weight.dtype)
 
 
-_READ = _specs(delta_read, _delta_read, _read_setup_context, _read_backward, delta_read_backward, _delta_read_backward)
+_READ = _specs(
+    "ddl_hf::delta_read",
+    delta_read,
+    _delta_read,
+    _read_setup_context,
+    _read_backward,
+    delta_read_backward,
+    _delta_read_backward,
+)
 
 
 def read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -864,6 +883,7 @@ def _temporal_backward(ctx, grad, backward_op):
 
 
 _TEMPORAL = _specs(
+    "ddl_hf::temporal_read",
     temporal_read,
     _temporal_read,
     _temporal_setup_context,
@@ -1037,6 +1057,7 @@ def _channel_backward(ctx, grad, backward_op):
 
 
 _CHANNEL = _specs(
+    "ddl_hf::channel_read",
     channel_read,
     _channel_read,
     _channel_setup_context,

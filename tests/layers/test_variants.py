@@ -129,7 +129,9 @@ def test_the_one_pass_tc_read_under_bf16_autocast_and_in_a_model_keeps_float32_s
     fused, fused_bf16 = run(False), run(True)
     original = DeltaConvContext.convolve_read
     try:
-        DeltaConvContext.convolve_read = lambda self, x, key, w, kernel=None: self.convolve(x, key, w).sum(-1)
+        DeltaConvContext.convolve_read = lambda self, x, key, w, read=None, kernels=None: self.convolve(
+            x, key, w if read is None else w * read[:, None]
+        ).sum(-1)
         plain, plain_bf16 = run(False), run(True)
     finally:
         DeltaConvContext.convolve_read = original
