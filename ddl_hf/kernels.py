@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -106,7 +107,10 @@ def _triton_ops() -> dict | None:
         return None
     try:
         return _import_triton_ops()
-    except ImportError:
+    except Exception as error:  # a Triton or torch too old for these ops: "auto" runs the tensor ops, and says why
+        warnings.warn(
+            f"delta_implementation='auto' runs the tensor ops: the Triton ops do not load ({error!r}).", stacklevel=2
+        )
         return None
 
 
