@@ -371,6 +371,21 @@ def _block_v(channels: int) -> int:
     return max(2, triton.next_power_of_2(channels))
 
 
+def _residual_rows(read, c, h, tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The read, c and h as `[N, D]` rows (views where the strides allow; c stands in for an absent read)."""
+    c2, h2 = _rows(c, tokens, dim), _rows(h, tokens, dim)
+    return (c2 if read is None else _rows(read, tokens, dim)), c2, h2
+
+
+def _residual_weights(gate_weight, gate_bias, beta_open, value_weight, value_bias) -> tuple[torch.Tensor, ...]:
+    """The weights as the kernels read them, contiguous (no-op for an `nn.Linear`'s); the gate's stand in for an
+    absent value (the constant value reads none)."""
+    gate_weight, gate_bias, beta_open = gate_weight.contiguous(), gate_bias.contiguous(), beta_open.contiguous()
+    value_weight = gate_weight if value_weight is None else value_weight.contiguous()
+    value_bias = gate_bias if value_bias is None else value_bias.contiguous()
+    return gate_weight, gate_bias, beta_open, value_weight, value_bias
+
+
 def _out_dtype(state: torch.Tensor, h: torch.Tensor, additive: bool) -> torch.dtype:
     """What the tensor ops return (`delta_ops._fused_delta_forward`): the state's dtype, promoted with h's in additive
     mode (X + h)."""
@@ -402,12 +417,10 @@ def _delta_residual(
     out = torch.empty(state.shape, dtype=_out_dtype(state, h, additive), device=state.device)  # [N, D, V] rows
     beta = torch.empty(h.shape[:-1], dtype=acc, device=state.device)
     if tokens:
-        c2, h2 = _rows(c, tokens, dim), _rows(h, tokens, dim)
-        r2 = c2 if read is None else _rows(read, tokens, dim)
-        gate_weight = gate_weight.contiguous()  # the kernels read weights as contiguous rows (no-op for nn.Linear's)
-        vw = gate_weight if value_weight is None else value_weight.contiguous()
-        vb = (gate_bias if value_bias is None else value_bias).contiguous()
-        gate_bias, beta_open = gate_bias.contiguous(), beta_open.contiguous()
+        r2, c2, h2 = _residual_rows(read, c, h, tokens, dim)
+        gate_weight, gate_bias, beta_open, vw, vb = _residual_weights(
+            gate_weight, gate_bias, beta_open, value_weight, value_bias
+        )
         _forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, out, beta,
             tokens, dim, channels, value_scale, value_constant, eps,
@@ -464,12 +477,10 @@ def _delta_residual_backward(
     if tokens:
         x3 = g3 if state is None else state.reshape(tokens, dim, channels)
         gb = g3 if grad_beta is None else grad_beta.reshape(tokens)  # a stride 0 where autograd expanded a scalar
-        c2, h2 = _rows(c, tokens, dim), _rows(h, tokens, dim)
-        r2 = c2 if read is None else _rows(read, tokens, dim)
-        gate_weight = gate_weight.contiguous()  # the kernels read weights as contiguous rows (no-op for nn.Linear's)
-        vw = gate_weight if value_weight is None else value_weight.contiguous()
-        vb = (gate_bias if value_bias is None else value_bias).contiguous()
-        gate_bias, beta_open = gate_bias.contiguous(), beta_open.contiguous()
+        r2, c2, h2 = _residual_rows(read, c, h, tokens, dim)
+        gate_weight, gate_bias, beta_open, vw, vb = _residual_weights(
+            gate_weight, gate_bias, beta_open, value_weight, value_bias
+        )
         _backward_kernel[(programs,)](
             x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, g3, gb,
             d_state, d_read if read is not None else d_c, d_c, d_h, partial, width,
