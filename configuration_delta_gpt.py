@@ -32,7 +32,7 @@ DELTA_VALUES = ("linear", "constant", "sigmoid")
 DELTA_INITS = ("exact", "reference")
 # Which kernels run a model's Delta residuals, reads and DeltaNet rule, as `attn_implementation` chooses attention:
 # "auto" (Triton's on CUDA where Triton imports, the tensor ops elsewhere), "eager" (the tensor ops), "triton",
-# "native" (the CPU kernels). Chosen per model, not saved (`DeltaResidualConfigMixin.to_dict`).
+# "native" (the CPU kernels). Chosen per model, not saved (`DeltaResidualConfigMixin.drop_runtime_fields`).
 DELTA_IMPLEMENTATIONS = ("auto", "eager", "triton", "native")
 # The authors' model files that `reference(variant=...)` reproduces (docs/variants.md).
 REFERENCE_VARIANTS = ("dv1", "tc", "tc_ec", "cc", "cc_ec")
@@ -318,10 +318,11 @@ class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):
             Which kernels run the Delta residuals, the TC reads and DeltaNet's rule, chosen per model as
             `attn_implementation` chooses attention (also `from_pretrained(..., delta_implementation=...)` and
             `model.set_delta_implementation(...)`; not saved): `"eager"` the tensor ops (the readable reference);
-            `"triton"` one Triton op per Delta residual, forward and backward (CUDA; CPU tensors under Triton's
-            interpreter, `TRITON_INTERPRET=1`), and fla's delta rule; `"native"` the CPU kernels of `ddl_hf.native`;
-            `"auto"` Triton's on CUDA where Triton imports, the tensor ops elsewhere. Kernels other than the tensor
-            ops come from the `ddl_hf` package: a saved directory loaded without it runs `"auto"` as `"eager"`.
+            `"triton"` one Triton op per Delta residual and per read, forward and backward (CUDA; CPU tensors under
+            Triton's interpreter, `TRITON_INTERPRET=1`), and fla's delta rule; `"native"` the CPU kernels of
+            `ddl_hf.native`; `"auto"` Triton's on CUDA where they run, the tensor ops elsewhere. Kernels other than
+            the tensor ops come from the `ddl_hf` package: a saved directory loaded through its Hub files alone
+            (`ddl_hf` not imported) runs `"auto"` as `"eager"`.
         token_mixer (`str`, defaults to `"attention"`):
             The sublayer inside each attention Delta residual: `"attention"` (GPT-2's softmax attention) or
             `"delta_net"` (DeltaNet: the delta rule over time, `S_t = S_{t-1}(I - beta k k^T) + beta v k^T`,
