@@ -73,9 +73,11 @@ class DeltaKernels(NamedTuple):
     - `read`: `(state [..., D, d_v], weight [d_v] or [D, d_v]) -> [..., D]`, `sum_v X[..., d, v] w[(d,) v]` in the
       state's dtype, with autograd: the linear read (`state @ w`).
     - `channel_read`: `(state, conv_weight [D, K], read [d_v]) -> [..., D]`, `channel_conv_read` as one op.
-    - `temporal_read`: `(x, weight, read, past, same_document) -> [B, T, D]`, `temporal_conv_read` with the kernels
-      `weight * read[:, None]` (read None: `weight`) as one op with its own autograd (Triton's); `tc_read` is the
-      TC read as a forward / backward pair (the native kernels').
+    - `temporal_read`: `(x, weight, read, past, same_document, history) -> ([B, T, D], window)`,
+      `temporal_conv_read` with the kernels `weight * read[:, None]` (read None: `weight`) as one op with its own
+      autograd (Triton's), and the next window without gradient: `[past or zeros, x]` (`history`: what assisted
+      decoding crops) or its last K - 1 rows; `tc_read` is the TC read as a forward / backward pair (the native
+      kernels').
     - `delta_update`, `tc_read`: a `DeltaKernel` for the Delta write and the TC read.
     - `delta_rule`: `(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens) -> (o, final_state) or None`,
       the inputs and outputs of `delta_rule_recurrent`, differentiable itself (fla's ops); None where it declines.

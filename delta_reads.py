@@ -58,16 +58,18 @@ class DeltaConvContext:
         mask = self.token_mask[:, -x.shape[1] :].to(x.dtype)
         return x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
 
+    def window(self, key: str, size: int) -> torch.Tensor | None:
+        """The last `size - 1` inputs cached at `key` (a view), or None (none cached: zeros)."""
+        past = None if self.cache is None else self.cache.delta_windows.get(key)
+        return None if past is None else past[:, past.shape[1] - (size - 1) :]
+
     def past(self, x: torch.Tensor, key: str, size: int) -> torch.Tensor | None:
         """The `size - 1` inputs before x at `key` (cached), or None (zeros); keeps x's last `size - 1` as the next
         window (`DeltaWindowsMixin`)."""
         if self.cache is None:
             return None
-        past = self.cache.delta_windows.get(key)
-        if past is None:
-            past = x.new_zeros(x.shape[0], size - 1, *x.shape[2:])
-        else:
-            past = past[:, past.shape[1] - (size - 1) :].to(x.dtype)
+        past = self.window(key, size)
+        past = x.new_zeros(x.shape[0], size - 1, *x.shape[2:]) if past is None else past.to(x.dtype)
         # In a forward that records gradients only the last size - 1 inputs are kept, as a copy: the whole history
         # would hold a second copy of the input alive as long as the cache.
         history = torch.cat([past, x.detach()], dim=1)
@@ -98,12 +100,20 @@ class DeltaConvContext:
         -> `[B, T, D]`."""
         size = weight.shape[-1]
         x = self.masked(x)
+        if kernels.temporal_read is not None:  # the read vector folded into the op, which writes the next window
+            past = self.window(key, size)
+            one_channel = x.dim() == 3
+            if one_channel:
+                x, past = x.unsqueeze(-1), None if past is None else past.unsqueeze(-1)
+            history = self.cache is not None and not x.requires_grad  # as `past` keeps it
+            y, window = kernels.temporal_read(x, weight, read, past, self.same_document(size), history)
+            if self.cache is not None:
+                self.cache.delta_windows[key] = window.squeeze(-1) if one_channel else window
+            return y
         past = self.past(x, key, size)
         if x.dim() == 3:
             x, past = x.unsqueeze(-1), None if past is None else past.unsqueeze(-1)
         same_document = self.same_document(size)
-        if kernels.temporal_read is not None:  # the read vector folded into the op
-            return kernels.temporal_read(x, weight, read, past, same_document)
         weight = weight if read is None else weight * read[:, None]
         return temporal_conv_read(x, weight, past, same_document, kernels.tc_read)
 

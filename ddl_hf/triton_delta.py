@@ -287,16 +287,15 @@ def _read_backward_kernel(
 
 
 def _on_its_device(function: Callable) -> Callable:
-    """Run `function` with its first tensor's CUDA device current: Triton launches on the current device and stream,
+    """Run `function` with its first argument's CUDA device current: Triton launches on the current device and stream,
     not on the tensors' (a model spread over GPUs, a process that never called `torch.cuda.set_device`)."""
 
     @functools.wraps(function)
-    def guarded(*args, **kwargs):
-        device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        if device.type != "cuda":
-            return function(*args, **kwargs)
-        with torch.cuda.device(device):
-            return function(*args, **kwargs)
+    def guarded(first: torch.Tensor, *args, **kwargs):  # every op's first argument is a tensor
+        if not first.is_cuda:
+            return function(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return function(first, *args, **kwargs)
 
     return guarded
 
@@ -367,8 +366,20 @@ def _rows(t: torch.Tensor | None, tokens: int, dim: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(tokens, dim)
 
 
+# Launch sizes in plain Python: `triton.cdiv` and `triton.next_power_of_2` are constexpr functions, whose host-side
+# calls cost microseconds each, on every op.
+
+
+def _programs(tokens: int) -> int:
+    return -(-tokens // BLOCK_TOKENS)
+
+
+def _block_d(dim: int) -> int:
+    return min(BLOCK_HIDDEN, 1 << (dim - 1).bit_length())
+
+
 def _block_v(channels: int) -> int:
-    return max(2, triton.next_power_of_2(channels))
+    return max(2, 1 << (channels - 1).bit_length())
 
 
 def _residual_rows(read, c, h, tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -421,12 +432,12 @@ def _delta_residual(
         gate_weight, gate_bias, beta_open, vw, vb = _residual_weights(
             gate_weight, gate_bias, beta_open, value_weight, value_bias
         )
-        _forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+        _forward_kernel[(_programs(tokens),)](
             x3, r2, c2, h2, gate_weight, gate_bias, beta_open, vw, vb, out, beta,
             tokens, dim, channels, value_scale, value_constant, eps,
             *x3.stride(), *r2.stride(), *c2.stride(), *h2.stride(),
             ACC=tl_acc, VALUE=value_mode, ADDITIVE=additive, ERASE=erase,
-            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return out, beta
 
@@ -468,7 +479,7 @@ def _delta_residual_backward(
     accumulation dtype. `state` is None without erase (the write-only backward never reads X)."""
     tokens, dim, channels, g3 = _layout(grad_state, h)
     acc, tl_acc = _accumulator(grad_state, h, c, gate_weight)
-    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    programs = _programs(tokens)
     width = _weights_width(dim, channels, value_mode)
     d_state = torch.empty((tokens, dim, channels), dtype=state_dtype, device=h.device)
     d_c, d_h = c.new_empty(c.shape), h.new_empty(h.shape)  # row-major, as the kernel writes them
@@ -487,7 +498,7 @@ def _delta_residual_backward(
             tokens, dim, channels, value_scale, value_constant, eps,
             *x3.stride(), *r2.stride(), *c2.stride(), *h2.stride(), *g3.stride(), gb.stride(0),
             ACC=tl_acc, VALUE=value_mode, ADDITIVE=additive, ERASE=erase, HAS_GBETA=grad_beta is not None,
-            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return d_state.view(grad_state.shape), d_read, d_c, d_h, partial.sum(0)
 
@@ -614,9 +625,9 @@ def _delta_read(state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _, tl_acc = _accumulator(state, weight)
     out = torch.empty(state.shape[:-1], dtype=state.dtype, device=state.device)  # [N, D] rows
     if tokens:
-        _read_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+        _read_forward_kernel[(_programs(tokens),)](
             x3, w2, out, tokens, dim, channels, *x3.stride(), *w2.stride(),
-            ACC=tl_acc, BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)),
+            ACC=tl_acc, BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_d(dim),
             BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return out
@@ -638,7 +649,7 @@ def _delta_read_backward(
     tokens, dim, channels, x3, w2 = _read_layout(state, weight)
     acc, tl_acc = _accumulator(state, weight)
     per_hidden = weight.dim() == 2
-    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    programs = _programs(tokens)
     d_state = torch.empty((tokens, dim, channels), dtype=state.dtype, device=state.device)
     partial = torch.empty((programs, dim * channels if per_hidden else channels), dtype=acc, device=state.device)
     if tokens:
@@ -646,7 +657,7 @@ def _delta_read_backward(
         _read_backward_kernel[(programs,)](
             x3, w2, g2, d_state, partial, tokens, dim, channels, *x3.stride(), *w2.stride(), *g2.stride(),
             ACC=tl_acc, PER_HIDDEN=per_hidden, BLOCK_N=BLOCK_TOKENS,
-            BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return d_state.view(state.shape), partial.sum(0).view(weight.shape)
 
@@ -708,37 +719,51 @@ def _tap(X, P, b, src, offsets_x, offsets_p, m3, sxb, sxt, spb, spt, K: tl.const
 
 @triton.jit
 def _temporal_forward_kernel(
-    X, W, R, P, SD, OUT, N, T, D, V,
+    X, W, R, P, SD, OUT, WIN, N, T, D, V,
     sxb, sxt, sxd, sxv, swd, swv, swk, spb, spt, spd, spv, ssb, sst, ssk,
-    K: tl.constexpr, HAS_READ: tl.constexpr, HAS_PAST: tl.constexpr, HAS_DOC: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    K: tl.constexpr, HAS_READ: tl.constexpr, HAS_PAST: tl.constexpr, HAS_DOC: tl.constexpr, HISTORY: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """y[b, t, d] = sum_j sum_v w[d, v, j] r[v] X[b, t - (K - 1 - j), d, v] (x keep[b, t, j] in packed rows; r the
-    read vector, 1 without)."""
+    read vector, 1 without), and the next window WIN[b]: [past (or zeros), X] `[K - 1 + T, D, V]` (HISTORY), else its
+    last K - 1 rows (the rows of X by their own programs, the past's by each sequence's first token's)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # offsets past 2**31 elements
     rmask = rows < N
     b, t = rows // T, rows % T
     chans = tl.arange(0, BLOCK_V)
     vmask = chans < V
     r = tl.load(R + chans, mask=vmask, other=0.0).to(ACC) if HAS_READ else tl.full([BLOCK_V], 1.0, ACC)
+    length, shift = (K - 1 + T, 0) if HISTORY else (K - 1, -T)  # the window's rows; history row h is its row h + shift
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         dmask = cols < D
         m3 = (rmask[:, None] & dmask[None, :])[:, :, None] & vmask[None, None, :]
         offsets_x = cols[None, :, None] * sxd + chans[None, None, :] * sxv
         offsets_p = cols[None, :, None] * spd + chans[None, None, :] * spv
+        offsets_w = cols[None, :, None] * V + chans[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
         for j in tl.static_range(K):
-            tap = _tap(X, P, b, t - (K - 1 - j), offsets_x, offsets_p, m3, sxb, sxt, spb, spt, K, HAS_PAST).to(ACC)
+            tap = _tap(X, P, b, t - (K - 1 - j), offsets_x, offsets_p, m3, sxb, sxt, spb, spt, K, HAS_PAST)
             w = tl.load(W + cols[:, None] * swd + chans[None, :] * swv + j * swk,
                         mask=dmask[:, None] & vmask[None, :], other=0.0).to(ACC) * r[None, :]  # fmt: skip
-            term = tl.sum(tap * w[None, :, :], axis=2)
+            term = tl.sum(tap.to(ACC) * w[None, :, :], axis=2)
             if HAS_DOC:
                 keep = tl.load(SD + b * ssb + t * sst + j * ssk, mask=rmask, other=0).to(ACC)
                 term = term * keep[:, None]
             acc += term
+            if j == K - 1:  # the tap of the token itself, X[b, t]: history row K - 1 + t
+                slot = K - 1 + t + shift
+                tl.store(WIN + (b * length + slot)[:, None, None] * (D * V) + offsets_w, tap,
+                         mask=m3 & (slot >= 0)[:, None, None])  # fmt: skip
         tl.store(OUT + rows[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
                  mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+        for i in tl.static_range(K - 1):  # history row i: the past's row i (zeros without one)
+            first = m3 & ((t == 0) & ((t + i >= T) | HISTORY))[:, None, None]  # i >= T, per row
+            if HAS_PAST:
+                kept = tl.load(P + b[:, None, None] * spb + i * spt + offsets_p, mask=first, other=0.0)
+            else:
+                kept = tl.zeros([BLOCK_N, BLOCK_D, BLOCK_V], dtype=ACC)
+            tl.store(WIN + (b * length + i + shift)[:, None, None] * (D * V) + offsets_w, kept, mask=first)
 
 
 @triton.jit
@@ -816,29 +841,37 @@ def _temporal_read(
     read: torch.Tensor | None,
     past: torch.Tensor | None,
     same_document: torch.Tensor | None,
-) -> torch.Tensor:
+    history: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`delta_ops.temporal_conv_read` with the kernels `weight * read[:, None]`: x `[B, T, D, d_v]`, weight
     `[D, d_v, K]`, read `[d_v]` or None, past `[B, K - 1, D, d_v]` or None, same_document `[B, T, K]` bool or None ->
-    `[B, T, D]` in x's dtype."""
+    `(y [B, T, D], window)` in x's dtype; the window is `[past or zeros, x]` `[B, K - 1 + T, D, d_v]` (`history`),
+    else its last K - 1 rows: the next step's past."""
     r, tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, read, past, same_document)
     _, tl_acc = _accumulator(x, weight)
     out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
+    window = _window_like(x, weight, history)
     if tokens:
-        _temporal_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
-            x, weight, r, p, sd, out, tokens, steps, dim, channels, *strides,
+        _temporal_forward_kernel[(_programs(tokens),)](
+            x, weight, r, p, sd, out, window, tokens, steps, dim, channels, *strides,
             K=weight.shape[-1], HAS_READ=read is not None, HAS_PAST=past is not None,
-            HAS_DOC=same_document is not None, ACC=tl_acc,
-            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            HAS_DOC=same_document is not None, HISTORY=history, ACC=tl_acc,
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
-    return out
+    return out, window
+
+
+def _window_like(x: torch.Tensor, weight: torch.Tensor, history: bool) -> torch.Tensor:
+    """The next window's storage, in x's dtype: `[B, K - 1 + T, D, d_v]` (`history`) or `[B, K - 1, D, d_v]`."""
+    return x.new_empty(x.shape[0], weight.shape[-1] - 1 + (x.shape[1] if history else 0), *x.shape[2:])
 
 
 temporal_read = torch.library.custom_op("ddl_hf::temporal_read", _temporal_read, mutates_args=())
 
 
 @temporal_read.register_fake
-def _(x, weight, read, past, same_document):
-    return x.new_empty(x.shape[:-1])
+def _(x, weight, read, past, same_document, history=False):
+    return x.new_empty(x.shape[:-1]), _window_like(x, weight, history)
 
 
 @_on_its_device
@@ -854,7 +887,7 @@ def _temporal_read_backward(
     accumulation dtype."""
     r, tokens, steps, dim, channels, p, sd, strides = _temporal_args(x, weight, read, past, same_document)
     acc, tl_acc = _accumulator(x, weight)
-    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    programs = _programs(tokens)
     d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     reads = 0 if read is None else channels
     partial = torch.empty((programs, weight.numel() + reads), dtype=acc, device=x.device)
@@ -865,7 +898,7 @@ def _temporal_read_backward(
             *strides, *g2.stride(),
             K=weight.shape[-1], HAS_READ=read is not None, HAS_PAST=past is not None,
             HAS_DOC=same_document is not None, ACC=tl_acc,
-            BLOCK_N=BLOCK_TOKENS, BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            BLOCK_N=BLOCK_TOKENS, BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return d_x, partial.sum(0)
 
@@ -883,14 +916,15 @@ def _(grad, x, weight, read, past, same_document):
 
 
 def _temporal_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.mark_non_differentiable(output[1])  # the window: inputs kept for the next step, as `x.detach()` would be
+    ctx.save_for_backward(*inputs[:5])
 
 
-def _temporal_backward(ctx, grad, backward_op):
+def _temporal_backward(ctx, grad, _grad_window, backward_op):
     x, weight, read, past, same_document = ctx.saved_tensors
     d_x, d_weights = backward_op(grad, x, weight, read, past, same_document)
     d_weight, d_read = d_weights.to(weight.dtype).split([weight.numel(), d_weights.numel() - weight.numel()])
-    return d_x, d_weight.view(weight.shape), None if read is None else d_read, None, None
+    return d_x, d_weight.view(weight.shape), None if read is None else d_read, None, None, None
 
 
 _TEMPORAL = _specs(
@@ -910,9 +944,10 @@ def temporal_conv_read(
     read: torch.Tensor | None,
     past: torch.Tensor | None,
     same_document: torch.Tensor | None,
-) -> torch.Tensor:
-    """A TC read (`DeltaKernels.temporal_read`) as one `ddl_hf::temporal_read` call."""
-    return _call(temporal_read, _TEMPORAL, x, weight, read, past, same_document)
+    history: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TC read (`DeltaKernels.temporal_read`) as one `ddl_hf::temporal_read` call: `(y, next window)`."""
+    return _call(temporal_read, _TEMPORAL, x, weight, read, past, same_document, history)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1007,10 +1042,10 @@ def _channel_read(state: torch.Tensor, weight: torch.Tensor, read: torch.Tensor)
     _, tl_acc = _accumulator(state, weight)
     out = torch.empty(state.shape[:-1], dtype=state.dtype, device=state.device)  # [N, D] rows
     if tokens:
-        _channel_forward_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+        _channel_forward_kernel[(_programs(tokens),)](
             x3, weight, read.contiguous(), out, tokens, dim, channels, *x3.stride(), *weight.stride(),
             K=weight.shape[-1], ACC=tl_acc, BLOCK_N=BLOCK_TOKENS,
-            BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return out
 
@@ -1032,7 +1067,7 @@ def _channel_read_backward(
     tokens = state.numel() // (dim * channels) if dim * channels else 0
     x3 = state.reshape(tokens, dim, channels)
     acc, tl_acc = _accumulator(state, weight)
-    programs = triton.cdiv(tokens, BLOCK_TOKENS)
+    programs = _programs(tokens)
     d_state = torch.empty((tokens, dim, channels), dtype=state.dtype, device=state.device)
     partial = torch.empty((programs, weight.numel() + channels), dtype=acc, device=state.device)
     if tokens:
@@ -1040,7 +1075,7 @@ def _channel_read_backward(
         _channel_backward_kernel[(programs,)](
             x3, weight, read.contiguous(), g2, d_state, partial, tokens, dim, channels, *x3.stride(), *weight.stride(),
             *g2.stride(), K=weight.shape[-1], ACC=tl_acc, BLOCK_N=BLOCK_TOKENS,
-            BLOCK_D=min(BLOCK_HIDDEN, triton.next_power_of_2(dim)), BLOCK_V=_block_v(channels),
+            BLOCK_D=_block_d(dim), BLOCK_V=_block_v(channels),
         )  # fmt: skip
     return d_state.view(state.shape), partial.sum(0)
 

@@ -165,6 +165,7 @@ for channels in (2, 4, 8):
 # The TC read (`ddl_hf::temporal_read`) against its definition, `temporal_conv(cat([past or zeros, x]), w r).sum(-1)`:
 # one value channel or four, with and without the read vector, K 2 and 4, a cached window, packed rows.
 from ddl_hf.delta_ops import channel_conv, same_document_taps, temporal_conv
+windows = {}
 starts = torch.zeros(2, 7, dtype=torch.bool)
 starts[0, 3] = starts[1, 5] = True
 for channels, with_read, size, with_past, packed in itertools.product((1, 4), (False, True), (2, 4), (False, True),
@@ -182,11 +183,20 @@ for channels, with_read, size, with_past, packed in itertools.product((1, 4), (F
         return temporal_conv(history, w if r is None else w * r[:, None], taps).sum(-1)
 
     results = []
-    for fn in (lambda a, w, r: triton_delta.temporal_read(a, w, r, past, taps), definition):
+    for fn in (lambda a, w, r: triton_delta.temporal_read(a, w, r, past, taps)[0], definition):
         leaves = [t.clone().requires_grad_() for t in (x, weight) + ((read,) if with_read else ())]
         y = fn(*leaves, *([] if with_read else [None]))
         results.append([y, *torch.autograd.grad((y * cot).sum(), leaves)])
-    reads[f"tc-{channels}-{with_read}-{size}-{with_past}-{packed}"] = relative_errors(*results)
+    name = f"tc-{channels}-{with_read}-{size}-{with_past}-{packed}"
+    reads[name] = relative_errors(*results)
+    # The next window the op writes: [past or zeros, x] whole (history) or its last K - 1 rows, bit for bit; a decoded
+    # step (T = 1) takes K - 2 of them from the past.
+    for steps in (7, 1):
+        a = x[:, :steps]
+        history = torch.cat([past if past is not None else a.new_zeros(2, size - 1, DIM, channels), a], 1)
+        for whole in (True, False):
+            window = triton_delta.temporal_read(a, weight, read, past, taps[:, :steps] if packed else None, whole)[1]
+            windows[f"{name}-{steps}-{whole}"] = torch.equal(window, history if whole else history[:, steps:])
 
 # The CC read (`ddl_hf::channel_read`) against its definition, `channel_conv(X, W) @ r`, every kernel size K <= d_v.
 for channels in (2, 4, 8):
@@ -203,6 +213,7 @@ for channels in (2, 4, 8):
             results.append([y, *torch.autograd.grad((y * cot).sum(), args)])
         reads[f"cc-{channels}-{size}"] = relative_errors(*results)
 out["reads"] = reads
+out["windows"] = windows
 
 # Each op's output is a tensor of its own, not a view made inside the autograd node (an in-place op on it would
 # raise; FSDP2 warns about views among a block's outputs): the residual's state and beta, and each read.
@@ -212,7 +223,7 @@ outputs = list(triton_delta.residual(*leaves, m.step_weights()))
 outputs.append(triton_delta.read(leaves[0], torch.ones(4, dtype=torch.float64)))
 outputs.append(triton_delta.channel_conv_read(leaves[0], torch.ones(DIM, 3, dtype=torch.float64),
                                               torch.ones(4, dtype=torch.float64)))
-outputs.append(triton_delta.temporal_conv_read(leaves[0], torch.ones(DIM, 4, 3, dtype=torch.float64), None, None,
+outputs.extend(triton_delta.temporal_conv_read(leaves[0], torch.ones(DIM, 4, 3, dtype=torch.float64), None, None,
                                                None))
 out["views"] = [t._base is not None for t in outputs]
 outputs[0].mul_(2.0)  # an in-place op on the state the residual returned
@@ -305,14 +316,21 @@ F64_BOUND = 64 * 24 * EPS64
 
 
 def test_every_combination_matches_the_tensor_ops_in_float64(ops):
-    combinations = {name: row for name, row in ops.items() if name not in ("reads", "views")}
+    combinations = {name: row for name, row in ops.items() if name not in ("reads", "views", "windows")}
     assert len(combinations) == 48
     for combination, row in combinations.items():
         assert max(row["f64"]) <= F64_BOUND, (combination, row["f64"])
 
 
 def test_every_op_returns_tensors_of_their_own(ops):
-    assert ops["views"] == [False] * 5
+    assert ops["views"] == [False] * 6
+
+
+def test_the_tc_read_writes_the_next_window(ops):
+    """The window `ddl_hf::temporal_read` writes for the next step (no separate concatenation launch): `[past or
+    zeros, x]`, whole (what assisted decoding crops) or its last K - 1 rows, for a prompt and a decoded token."""
+    assert len(ops["windows"]) == 32 * 4
+    assert all(ops["windows"].values()), [case for case, equal in ops["windows"].items() if not equal]
 
 
 def test_the_reads_match_their_definitions_in_float64(ops):
@@ -424,6 +442,33 @@ out["compiled"] = dict(
     error=max(float((a - b).abs().max()) / float(b.abs().max() or 1.0) for a, b in zip(compiled_result, eager)),
     layers=model.config.n_layer,
 )
+
+
+# Cached decoding of the TC variants, where the op writes each read's next window: a prompt, three tokens, then two
+# drafted tokens of which assisted decoding rejects one (the cache crops the windows back) and decodes it again.
+def decoded(model, implementation):
+    model.set_delta_implementation(implementation)
+    with torch.no_grad():
+        out = model(IDS[:, :6], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for chunk in (IDS[:, 6:7], IDS[:, 7:8], IDS[:, 8:9], IDS[:, 9:11]):
+            logits.append(model(chunk, past_key_values=cache, use_cache=True).logits)
+        cache.crop(-1)
+        logits.append(model(IDS[:, 10:11], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, 1)
+
+
+decoding = {}
+for name in ("tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4"):
+    model = delta_model(VARIANTS[name])
+    scramble_delta_weights(model)
+    model.eval()
+    reference = decoded(copy.deepcopy(model).double(), "eager")
+    decoding[name] = {
+        implementation: float((decoded(model, implementation).double() - reference).abs().max() / reference.abs().max())
+        for implementation in ("triton", "eager")
+    }
+out["decoding"] = decoding
 print("RESULT", json.dumps(out))
 """
 
@@ -437,10 +482,18 @@ def test_models_with_triton_match_eager_within_float32_rounding(models):
     """DeltaGPT (d_v 1 / 4, paper / additive, write-only, TC, TC + EC, CC, CC + EC with a constant value, the
     authors' TC preset) and DeltaLlama: logits and every gradient of a training step, float32, against the float64
     "eager" model: the Triton op within 4x the tensor ops' own error (at least a few float32 roundings)."""
-    variants = {name: errors for name, errors in models.items() if name != "compiled"}
+    variants = {name: errors for name, errors in models.items() if name not in ("compiled", "decoding")}
     assert len(variants) == 12
     for name, errors in variants.items():
         assert errors["triton_missing"] == errors["eager_missing"] == 0, (name, errors)
+        assert errors["triton"] <= 4 * max(errors["eager"], 16 * EPS32), (name, errors)
+
+
+def test_cached_decoding_of_tc_models_with_triton_matches_eager(models):
+    """TC, TC + EC and the authors' TC preset: a prompt, decoded tokens, two drafted tokens of which one is rejected
+    (`crop`) and decoded again: the logits within 4x the tensor ops' own float32 error (the op writes the windows)."""
+    assert len(models["decoding"]) == 3
+    for name, errors in models["decoding"].items():
         assert errors["triton"] <= 4 * max(errors["eager"], 16 * EPS32), (name, errors)
 
 
