@@ -51,6 +51,7 @@ from .delta_reads import (
     DeltaRead,
     DeltaStateCache,
     DeltaStateConv,
+    DeltaStaticStateCache,
     DeltaWindowsMixin,
 )
 
@@ -133,8 +134,8 @@ class DeltaStackMixin:
             raise TypeError(
                 f"delta_state_read={config.delta_state_read!r} / delta_embed_expand="
                 f"{config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
-                f"got {type(cache).__name__}; pass cache=DeltaStateCache(model.config) or let the "
-                "model create it (use_cache=True)."
+                f"got {type(cache).__name__}; pass cache=DeltaStateCache(model.config) (static: "
+                "DeltaStaticStateCache(model.config, max_cache_len=...)) or let the model create it (use_cache=True)."
             )
         return cache
 
@@ -245,7 +246,9 @@ def packed_document_starts(
     """
     if position_ids is None and cu_seq_lens is None:
         return None
-    if past_seen_tokens and cu_seq_lens is not None:
+    # A static cache's length is a tensor once it holds tokens (compiled decoding): checked on the device, not read.
+    on_device = isinstance(past_seen_tokens, torch.Tensor)
+    if cu_seq_lens is not None and (on_device or past_seen_tokens):
         raise ValueError(
             f"Packed input (cu_seq_lens) cannot continue a cache that already holds {past_seen_tokens} tokens, whose "
             "recurrent state / convolution windows belong to the previous document. Run packed rows without a cache."
@@ -262,14 +265,15 @@ def packed_document_starts(
             0, boundaries, torch.ones_like(boundaries, dtype=torch.int32)
         )
         starts = starts | (marks[:numel] > 0).view(shape)
-    if past_seen_tokens:
+    if on_device or past_seen_tokens:
         torch._assert_async(
-            ~starts.any(),
-            "Packed input (position_ids restarting at 0) cannot continue a cache that already holds "
-            f"{past_seen_tokens} tokens, whose recurrent state / convolution windows belong to the previous "
-            "document. Run packed rows without a cache (or with an empty one).",
+            ~(starts.any() & (past_seen_tokens > 0)) if on_device else ~starts.any(),
+            "Packed input (position_ids restarting at 0) cannot continue a cache that already holds tokens, whose "
+            "recurrent state / convolution windows belong to the previous document. Run packed rows without a cache "
+            "(or with an empty one).",
         )
-        return None  # nothing starts: the usual decoding path
+        if not on_device:
+            return None  # nothing starts: the usual decoding path
     return starts
 
 
@@ -379,10 +383,10 @@ class DeltaPreTrainedMixin:
         if uses_delta_net(config):
             # Stateful: DeltaNet's recurrent state cannot be rolled back, so generate refuses assisted decoding.
             self._is_stateful = True
-        if state_across_tokens(config):
-            # transformers' capability flag, per instance (it depends on the variant): the convolution windows and the
-            # DeltaNet state have no static cache, so transformers' compiled generation cannot run; tools and tests
-            # that read the flag skip it up front (the refusal in `_prepare_cache_for_generation` stays).
+        if uses_delta_net(config):
+            # transformers' capability flag, per instance (it depends on the variant): the DeltaNet state has no
+            # static cache, so transformers' compiled generation cannot run; tools and tests that read the flag skip it
+            # up front (the refusal in `_prepare_cache_for_generation` stays). TC / EC: `DeltaStaticStateCache`.
             self._can_compile_fullgraph = False
 
     def set_delta_implementation(self, implementation: str) -> None:
@@ -444,11 +448,17 @@ class DeltaPreTrainedMixin:
                 raise ValueError(NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
         if not (delta_net or config.delta_temporal) or not wants_new_cache:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        implementation = generation_config.cache_implementation
+        if not delta_net and implementation == "static":  # transformers' StaticCache, sized by generate, plus windows
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+            static = model_kwargs[CACHE_ARG]
+            model_kwargs[CACHE_ARG] = DeltaStaticStateCache(config, max_cache_len=static.layers[0].max_cache_len)
+            return None
+        if implementation not in (None, "dynamic"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
-                "token_mixer='delta_net' or a temporal Delta variant (their caches keep recurrent states or "
-                "convolution windows). Leave cache_implementation unset."
+                f"cache_implementation={implementation!r} is not supported with token_mixer='delta_net' or a temporal "
+                "Delta variant (their caches keep recurrent states or convolution windows; a temporal variant takes "
+                "'static' too). Leave cache_implementation unset."
             )
         model_kwargs[CACHE_ARG] = DeltaNetCache(config) if delta_net else DeltaStateCache(config)
 

@@ -20,7 +20,7 @@ from torch import nn
 from .delta_compat import check_installed_versions  # noqa: F401
 
 # isort: split
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
 
 from .delta_ops import (
@@ -73,9 +73,17 @@ class DeltaConvContext:
         # In a forward that records gradients only the last size - 1 inputs are kept, as a copy: the whole history
         # would hold a second copy of the input alive as long as the cache.
         history = torch.cat([past, x.detach()], dim=1)
-        last = history[:, history.shape[1] - (size - 1) :]
-        self.cache.delta_windows[key] = last.clone() if x.requires_grad else history
-        return past
+        if self.keeps_history(x):
+            self.cache.keep_window(key, history)
+        else:
+            last = history[:, history.shape[1] - (size - 1) :]
+            self.cache.keep_window(key, last.clone() if x.requires_grad else last)
+        return history[:, : size - 1]  # the past as read before `keep_window` (a static cache writes it in place)
+
+    def keeps_history(self, x: torch.Tensor) -> bool:
+        """Whether the next window is the last forward's whole input, `[past, x]` (what assisted decoding crops), or
+        its last `size - 1` inputs: in a forward that records gradients and in a static cache."""
+        return self.cache is not None and self.cache.delta_keeps_history and not x.requires_grad
 
     def convolve(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
         """`temporal_conv` of x `[B, T, ...]` over its window at `key`; in packed rows each token reads only its own
@@ -105,10 +113,10 @@ class DeltaConvContext:
             one_channel = x.dim() == 3
             if one_channel:
                 x, past = x.unsqueeze(-1), None if past is None else past.unsqueeze(-1)
-            history = self.cache is not None and not x.requires_grad  # as `past` keeps it
+            history = self.keeps_history(x)
             y, window = kernels.temporal_read(x, weight, read, past, self.same_document(size), history)
             if self.cache is not None:
-                self.cache.delta_windows[key] = window.squeeze(-1) if one_channel else window
+                self.cache.keep_window(key, window.squeeze(-1) if one_channel else window)
             return y
         past = self.past(x, key, size)
         if x.dim() == 3:
@@ -216,6 +224,12 @@ class DeltaWindowsMixin:
 
     delta_history: int = 0
     delta_windows: dict[str, torch.Tensor]
+    #: Whether a window holds the last forward's inputs too (False: only the last K - 1, `DeltaStaticStateCache`).
+    delta_keeps_history: bool = True
+
+    def keep_window(self, key: str, window: torch.Tensor) -> None:
+        """Keep `window` `[B, L, ...]` (L >= K - 1) as the inputs before the next forward's at `key`."""
+        self.delta_windows[key] = window
 
     def delta_window_bytes(self) -> int:
         """Bytes held by the windows now: K entries each between decoding steps, whatever the context length."""
@@ -241,15 +255,19 @@ class DeltaWindowsMixin:
         self._map_windows(lambda w: w[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        for key, window in self.delta_windows.items():
-            keep = window.shape[1] + min(tokens_to_remove, 0)  # crop(0): just shrink back to K - 1 entries
-            if keep < self.delta_history:
+        for key, window in self.delta_windows.items():  # first: a refused crop leaves the keys and values whole
+            if window.shape[1] + min(tokens_to_remove, 0) < self.delta_history:
+                held = "a static cache holds only the last K - 1 inputs (use the dynamic cache to crop)"
+                if self.delta_keeps_history:
+                    held = f"it holds only the last forward's {window.shape[1] - self.delta_history} tokens"
                 raise ValueError(
-                    f"Cannot crop {-tokens_to_remove} tokens from the Delta convolution window {key!r}: it holds only "
-                    f"the last forward's {window.shape[1] - self.delta_history} tokens."
+                    f"Cannot crop {-tokens_to_remove} tokens from the Delta convolution window {key!r}: {held}."
                 )
-            self.delta_windows[key] = window[:, keep - self.delta_history : keep]
+        super().crop(tokens_to_remove)
+        if self.delta_keeps_history:
+            for key, window in self.delta_windows.items():
+                keep = window.shape[1] + min(tokens_to_remove, 0)  # crop(0): just shrink back to K - 1 entries
+                self.delta_windows[key] = window[:, keep - self.delta_history : keep]
 
 
 class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
@@ -262,11 +280,41 @@ class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
         self.delta_windows = {}
 
 
+class DeltaStaticStateCache(DeltaWindowsMixin, StaticCache):
+    """`DeltaStateCache`'s static form, what `generate(..., cache_implementation="static")` builds for a temporal
+    variant (compiled decoding, CUDA graphs): transformers' StaticCache plus each convolution window as a buffer of
+    fixed shape and address `[B, K - 1, ...]`, allocated by the first forward (the prefill) and written in place after.
+    It keeps no history beyond the last K - 1 inputs, so it cannot crop decoded tokens (as DeltaNetCache)."""
+
+    delta_keeps_history = False
+
+    def __init__(self, config, max_cache_len: int, **kwargs):
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        self.delta_history = config.delta_conv_size - 1
+        self.delta_windows = {}
+
+    def keep_window(self, key: str, window: torch.Tensor) -> None:
+        last = window[:, window.shape[1] - self.delta_history :]
+        buffer = self.delta_windows.get(key)
+        if buffer is None or buffer.shape != last.shape or buffer.dtype != last.dtype:
+            buffer = torch.zeros_like(last, memory_format=torch.contiguous_format)
+            if not torch.compiler.is_compiling():  # as StaticCache's keys and values: no recompilation, CUDA graphs
+                torch._dynamo.mark_static_address(buffer)
+            self.delta_windows[key] = buffer
+        buffer.copy_(last)
+
+    def reset(self) -> None:
+        StaticCache.reset(self)  # the windows keep their buffers (and addresses), zeroed
+        for buffer in self.delta_windows.values():
+            buffer.zero_()
+
+
 __all__ = [
     "DeltaConvContext",
     "DeltaEmbedExpand",
     "DeltaRead",
     "DeltaStateCache",
     "DeltaStateConv",
+    "DeltaStaticStateCache",
     "DeltaWindowsMixin",
 ]

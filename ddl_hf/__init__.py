@@ -32,7 +32,7 @@ from .conversion import (
 from .delta_layers import DeltaResidual
 from .delta_net import DeltaNetAttention, DeltaNetCache
 from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
-from .delta_reads import DeltaRead, DeltaStateCache
+from .delta_reads import DeltaRead, DeltaStateCache, DeltaStaticStateCache
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
     DeltaGPTForSequenceClassification,
@@ -100,6 +100,7 @@ __all__ = [
     "DeltaRead",
     "DeltaResidual",
     "DeltaStateCache",
+    "DeltaStaticStateCache",
     "DeltaStatsCallback",
     "DeltaTrainer",
     "EquivalenceReport",

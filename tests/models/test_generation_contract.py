@@ -91,12 +91,50 @@ def test_static_cache_works_for_attention(variant, prompt):
         assert torch.equal(model.generate(prompt, cache_implementation="static", **GREEDY), expected)
 
 
-@pytest.mark.parametrize("variant", ["tc-dv1", "tc-ec-paper-dv4"])
-def test_static_cache_is_refused_for_temporal_variants(variant, prompt):
-    """TC / EC convolve over the last tokens: their windows live in DeltaStateCache, which has no static form."""
+@pytest.mark.parametrize("variant", ["tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4"])
+def test_static_cache_works_for_temporal_variants(variant, prompt):
+    """TC / EC convolve over the last tokens: a static cache keeps their windows as fixed buffers written in place
+    (DeltaStaticStateCache); greedy tokens equal the dynamic cache's, and the buffers keep their addresses."""
     model = delta_model(**CLIENT_VARIANTS[variant])
-    with pytest.raises(ValueError, match=r"cache_implementation='static' is not supported .* temporal Delta variant"):
-        model.generate(prompt, cache_implementation="static", **GREEDY)
+    scramble_delta_weights(model)
+    with torch.no_grad():
+        expected = model.generate(prompt, **GREEDY)
+        out = model.generate(prompt, cache_implementation="static", return_dict_in_generate=True, **GREEDY)
+        assert torch.equal(out.sequences, expected)
+        assert isinstance(cache_of(out), ddl_hf.DeltaStaticStateCache)
+        cache = ddl_hf.DeltaStaticStateCache(model.config, max_cache_len=16)
+        model(prompt, **{CACHE_ARG: cache}, use_cache=True)
+        size = model.config.delta_conv_size - 1
+        assert cache.delta_windows and all(w.shape[1] == size for w in cache.delta_windows.values())
+        addresses = {key: w.data_ptr() for key, w in cache.delta_windows.items()}
+        model(expected[:, -1:], **{CACHE_ARG: cache}, use_cache=True)
+        cache.reset()
+        assert {key: w.data_ptr() for key, w in cache.delta_windows.items()} == addresses
+        assert not any(w.any() for w in cache.delta_windows.values())
+    with pytest.raises(ValueError, match="a static cache holds only the last K - 1 inputs"):
+        cache.crop(-1)
+
+
+def test_a_static_cache_decoding_step_of_a_tc_model_compiles_with_fullgraph(prompt):
+    """transformers' compiled generation runs the decoding step fullgraph over a static cache: the TC windows too
+    (the "aot_eager" backend checks the capture and the in-place window writes; same logits as eager)."""
+    model = delta_model(**CLIENT_VARIANTS["reference-tc-dv4"])
+    scramble_delta_weights(model)
+    assert model._can_compile_fullgraph
+    positions = torch.arange(prompt.shape[1] + 1)[None]
+    logits = []
+    for compiled in (False, True):
+        cache = ddl_hf.DeltaStaticStateCache(model.config, max_cache_len=16)
+        with torch.no_grad():
+            model(prompt, **{CACHE_ARG: cache}, use_cache=True)  # the prefill allocates the buffers, eagerly
+            torch._dynamo.reset()
+            step = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+            for token in (5, 9):
+                ids = torch.tensor([[token]])
+                logits.append(step(ids, **{CACHE_ARG: cache}, use_cache=True, position_ids=positions[:, -1:]).logits)
+                positions = positions + 1
+        positions = positions - 2
+    torch.testing.assert_close(torch.cat(logits[2:]), torch.cat(logits[:2]), rtol=0, atol=1e-5)
 
 
 def test_static_and_config_built_caches_are_refused_for_delta_net(delta_net_model, prompt):

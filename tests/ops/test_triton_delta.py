@@ -445,16 +445,22 @@ out["compiled"] = dict(
 
 
 # Cached decoding of the TC variants, where the op writes each read's next window: a prompt, three tokens, then two
-# drafted tokens of which assisted decoding rejects one (the cache crops the windows back) and decodes it again.
-def decoded(model, implementation):
+# drafted tokens of which assisted decoding rejects one (the cache crops the windows back) and decodes it again; with
+# a static cache (windows written in place), the prompt and four tokens.
+from ddl_hf import DeltaStaticStateCache
+
+
+def decoded(model, implementation, static=False):
     model.set_delta_implementation(implementation)
+    cache = DeltaStaticStateCache(model.config, max_cache_len=16) if static else None
     with torch.no_grad():
-        out = model(IDS[:, :6], use_cache=True)
+        out = model(IDS[:, :6], past_key_values=cache, use_cache=True)
         cache, logits = out.past_key_values, [out.logits]
         for chunk in (IDS[:, 6:7], IDS[:, 7:8], IDS[:, 8:9], IDS[:, 9:11]):
             logits.append(model(chunk, past_key_values=cache, use_cache=True).logits)
-        cache.crop(-1)
-        logits.append(model(IDS[:, 10:11], past_key_values=cache, use_cache=True).logits)
+        if not static:
+            cache.crop(-1)
+            logits.append(model(IDS[:, 10:11], past_key_values=cache, use_cache=True).logits)
     return torch.cat(logits, 1)
 
 
@@ -463,11 +469,13 @@ for name in ("tc-dv1", "tc-ec-paper-dv4", "reference-tc-dv4"):
     model = delta_model(VARIANTS[name])
     scramble_delta_weights(model)
     model.eval()
-    reference = decoded(copy.deepcopy(model).double(), "eager")
-    decoding[name] = {
-        implementation: float((decoded(model, implementation).double() - reference).abs().max() / reference.abs().max())
-        for implementation in ("triton", "eager")
-    }
+    for static in (False, True):
+        reference = decoded(copy.deepcopy(model).double(), "eager", static)
+        decoding[name + ("-static" if static else "")] = {
+            implementation: float((decoded(model, implementation, static).double() - reference).abs().max()
+                                  / reference.abs().max())
+            for implementation in ("triton", "eager")
+        }
 out["decoding"] = decoding
 print("RESULT", json.dumps(out))
 """
@@ -491,8 +499,9 @@ def test_models_with_triton_match_eager_within_float32_rounding(models):
 
 def test_cached_decoding_of_tc_models_with_triton_matches_eager(models):
     """TC, TC + EC and the authors' TC preset: a prompt, decoded tokens, two drafted tokens of which one is rejected
-    (`crop`) and decoded again: the logits within 4x the tensor ops' own float32 error (the op writes the windows)."""
-    assert len(models["decoding"]) == 3
+    (`crop`) and decoded again, and with a static cache: the logits within 4x the tensor ops' own float32 error (the
+    op writes the windows)."""
+    assert len(models["decoding"]) == 6
     for name, errors in models["decoding"].items():
         assert errors["triton"] <= 4 * max(errors["eager"], 16 * EPS32), (name, errors)
 
