@@ -140,6 +140,7 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_delta_gpt.DeltaGPTForCausalLM",
     "AutoModelForSequenceClassification": "modeling_delta_gpt.DeltaGPTForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_delta_gpt.DeltaGPTForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_delta_gpt.DeltaGPTForQuestionAnswering",
 }
 
 

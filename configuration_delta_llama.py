@@ -40,6 +40,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_delta_llama.DeltaLlamaConfig",
     "AutoModel": "modeling_delta_llama.DeltaLlamaModel",
     "AutoModelForCausalLM": "modeling_delta_llama.DeltaLlamaForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_delta_llama.DeltaLlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_delta_llama.DeltaLlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_delta_llama.DeltaLlamaForQuestionAnswering",
 }
 
 

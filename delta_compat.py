@@ -57,8 +57,6 @@ check_installed_versions()  # before anything below touches a name that older re
 
 try:  # transformers' internal model-code utilities (what its own models use); absent or moved: say so here
     from transformers.cache_utils import Cache
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
     from transformers.generation import GenerationMixin
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -260,7 +258,6 @@ __all__ = [
     "MINIMUM_TORCH",
     "MINIMUM_TRANSFORMERS",
     "OutputRecorder",
-    "WeightRenaming",
     "cache_argument",
     "cache_of",
     "capture_outputs",
@@ -269,7 +266,6 @@ __all__ = [
     "hidden_states_indices",
     "is_0_1_tensor",
     "merge_with_config_defaults",
-    "register_checkpoint_conversion_mapping",
     "release",
     "scan",
     "slice_logits_to_keep",

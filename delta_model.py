@@ -23,10 +23,8 @@ from torch import nn
 # First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
 from .delta_compat import (
     CACHE_ARG,
-    WeightRenaming,
     check_checkpoint_format,
     hidden_states_indices,
-    register_checkpoint_conversion_mapping,
     was_loaded,
 )
 
@@ -282,9 +280,12 @@ def packed_document_starts(
 # ----------------------------------------------------------------------------------------------------------------
 
 #: (old name, new name) of the read parameters: until e568c07 a residual held its read (`attn_delta.read_weights`,
-#: `attn_delta.read_conv.weight`) and the model its read-out (`read_out`, `read_out_conv.weight`). transformers renames
-#: them on load and back on save (its conversion mapping), so a directory round-trips under the names it has.
-RENAMED_WEIGHTS = (  # regex sources, reversed on save: no `$` or escapes, which the reversal would keep
+#: `attn_delta.read_conv.weight`) and the model its read-out (`read_out`, `read_out_conv.weight`). `from_pretrained`
+#: renames them on load (transformers' `key_mapping`), and only there: a model built or converted now saves the new
+#: names. A registered conversion mapping would be reverted on every save, writing the old names into new
+#: directories, and transformers expects each registered conversion to apply to every instance (a d_v = 1 model has
+#: no read weights). Re-saving a loaded old directory keeps its layout, transformers' rule for renames used at load.
+RENAMED_WEIGHTS = (  # regex sources, as vLLM's weight mapper takes them too (vllm_models.py)
     ("attn_delta.read_weights", "attn_read.weights"),
     ("attn_delta.read_conv.weight", "attn_read.conv.weight"),
     ("mlp_delta.read_weights", "mlp_read.weights"),
@@ -292,12 +293,6 @@ RENAMED_WEIGHTS = (  # regex sources, reversed on save: no `$` or escapes, which
     ("read_out_conv.weight", "read_out.conv.weight"),
     ("read_out(?![_.])", "read_out.weights"),  # the bare parameter, not `read_out_conv` / the new names
 )
-
-
-def register_renamed_weights(model_type: str) -> None:
-    """Load directories saved under the old read names (`RENAMED_WEIGHTS`) through transformers' own renaming."""
-    renames = [WeightRenaming(source_patterns=old, target_patterns=new) for old, new in RENAMED_WEIGHTS]
-    register_checkpoint_conversion_mapping(model_type, renames, overwrite=True)
 
 
 class DeltaSite(NamedTuple):
@@ -388,6 +383,13 @@ class DeltaPreTrainedMixin:
             # static cache, so transformers' compiled generation cannot run; tools and tests that read the flag skip it
             # up front (the refusal in `_prepare_cache_for_generation` stays). TC / EC: `DeltaStaticStateCache`.
             self._can_compile_fullgraph = False
+
+    @classmethod
+    def from_pretrained(cls, *args, key_mapping: dict[str, str] | None = None, **kwargs):
+        """transformers' `from_pretrained`; a directory saved under the old read names (`RENAMED_WEIGHTS`) loads
+        through its `key_mapping` (a caller's own entries come after them)."""
+        key_mapping = {**dict(RENAMED_WEIGHTS), **(key_mapping or {})}
+        return super().from_pretrained(*args, key_mapping=key_mapping, **kwargs)
 
     def set_delta_implementation(self, implementation: str) -> None:
         """Run this model's Delta residuals, reads and DeltaNet rule with `implementation` ("auto", "eager",
@@ -523,7 +525,6 @@ __all__ = [
     "check_token_ids",
     "packed_document_starts",
     "refuse_state_across_tokens_in_serving_engines",
-    "register_renamed_weights",
     "state_across_tokens",
     "uses_delta_net",
 ]

@@ -8,8 +8,8 @@ parameter names carry over; only the Delta parameters are new.
 
 Reads top to bottom like `modeling_gpt2.py`: the block (eq. 2.5 twice: read, norm, sublayer, Delta update), the
 output classes, the pretrained base, the model and its heads. The reads live in `delta_reads.py`, the residual in
-`delta_layers.py`, what both families add around their layers in `delta_model.py`, the DeltaNet token mixer in
-`delta_net.py`, the math in `delta_ops.py`.
+`delta_layers.py`, what both families add around their layers in `delta_model.py`, the task heads of both families in
+`delta_heads.py`, the DeltaNet token mixer in `delta_net.py`, the math in `delta_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
 `save_pretrained` copies next to the weights. Whatever differs between transformers / torch releases is absorbed in
@@ -41,20 +41,16 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPastAndCrossAttentions,
-    CausalLMOutputWithCrossAttentions,
-    SequenceClassifierOutputWithPast,
-    TokenClassifierOutput,
-)
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention, eager_attention_forward
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_gpt import DeltaGPTConfig
+from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassification, DeltaForTokenClassification
 from .delta_layers import DeltaResidual
-from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids, register_renamed_weights
+from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_net import DeltaNetAttention
 from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
 
@@ -159,16 +155,6 @@ class DeltaGPTModelOutput(DeltaOutputs, BaseModelOutputWithPastAndCrossAttention
 @dataclass
 class DeltaGPTCausalLMOutput(DeltaOutputs, CausalLMOutputWithCrossAttentions):
     """`CausalLMOutputWithCrossAttentions` and the Delta outputs (`DeltaOutputs`)."""
-
-
-@dataclass
-class DeltaGPTSequenceClassifierOutput(DeltaOutputs, SequenceClassifierOutputWithPast):
-    """`SequenceClassifierOutputWithPast` and the Delta outputs (`DeltaOutputs`)."""
-
-
-@dataclass
-class DeltaGPTTokenClassifierOutput(DeltaOutputs, TokenClassifierOutput):
-    """`TokenClassifierOutput` and the Delta outputs (`DeltaOutputs`)."""
 
 
 class DeltaGPTPreTrainedModel(DeltaPreTrainedMixin, PreTrainedModel):
@@ -425,128 +411,30 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         )
 
 
-class DeltaGPTForSequenceClassification(DeltaGPTPreTrainedModel):
-    """DeltaGPT with a linear head on the last non-padding token; its forward is `GPT2ForSequenceClassification`'s
-    (pooling and loss) on DeltaGPT's hidden states."""
+class DeltaGPTForSequenceClassification(DeltaForSequenceClassification, DeltaGPTPreTrainedModel):
+    """DeltaGPT with a linear head on the last non-padding token, as `GPT2ForSequenceClassification`
+    (`delta_heads.py`)."""
 
-    def __init__(self, config: DeltaGPTConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.transformer = DeltaGPTModel(config)
-        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
-        self.post_init()
-
-    @takes_cache
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> DeltaGPTSequenceClassifierOutput:
-        outputs: DeltaGPTModelOutput = self.transformer(
-            input_ids,
-            cache=cache,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        logits = self.score(outputs.last_hidden_state)
-        batch_size = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
-
-        if self.config.pad_token_id is None and batch_size != 1:
-            raise ValueError(
-                "Cannot classify a batch of more than one sequence without a padding token: "
-                "set model.config.pad_token_id (e.g. to tokenizer.pad_token_id)."
-            )
-        if self.config.pad_token_id is None or input_ids is None:
-            last_token = -1
-        else:  # rightmost non-padding token: works for left and right padding
-            non_pad = (input_ids != self.config.pad_token_id).to(logits.device, torch.int32)
-            positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
-            last_token = (positions * non_pad).argmax(-1)
-        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_token]
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-
-        return DeltaGPTSequenceClassifierOutput(
-            loss=loss,
-            logits=pooled_logits,
-            **cache_argument(cache_of(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
-        )
+    stack_class = DeltaGPTModel
 
 
-class DeltaGPTForTokenClassification(DeltaGPTPreTrainedModel):
-    """DeltaGPT with a linear head on every token, like `GPT2ForTokenClassification`."""
+class DeltaGPTForTokenClassification(DeltaForTokenClassification, DeltaGPTPreTrainedModel):
+    """DeltaGPT with a linear head on every token, as `GPT2ForTokenClassification` (`delta_heads.py`)."""
 
-    def __init__(self, config: DeltaGPTConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.transformer = DeltaGPTModel(config)
-        classifier_dropout = getattr(config, "classifier_dropout", None)
-        self.dropout = nn.Dropout(0.1 if classifier_dropout is None else classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    @takes_cache
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> DeltaGPTTokenClassifierOutput:
-        outputs: DeltaGPTModelOutput = self.transformer(
-            input_ids,
-            cache=cache,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.config, **kwargs)
-
-        return DeltaGPTTokenClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
-        )
+    stack_class = DeltaGPTModel
+    classifier_name = "classifier"
 
 
-register_renamed_weights(DeltaGPTConfig.model_type)
+class DeltaGPTForQuestionAnswering(DeltaForQuestionAnswering, DeltaGPTPreTrainedModel):
+    """DeltaGPT with a span head for extractive question answering, as `GPT2ForQuestionAnswering`
+    (`delta_heads.py`)."""
+
+    stack_class = DeltaGPTModel
+
 
 __all__ = [
     "DeltaGPTForCausalLM",
+    "DeltaGPTForQuestionAnswering",
     "DeltaGPTForSequenceClassification",
     "DeltaGPTForTokenClassification",
     "DeltaGPTModel",

@@ -8,12 +8,13 @@ transformers classes, chosen by `config.source_model_type`, so attention backend
 its own names.
 
 Reads top to bottom like `modeling_llama.py`: the family table, the decoder layer (eq. 2.5 twice), the output
-classes, the pretrained base, the model and the causal LM head. The reads live in `delta_reads.py`, the residual in
-`delta_layers.py`, what both families add around their layers in `delta_model.py`.
+classes, the pretrained base, the model and its heads. The reads live in `delta_reads.py`, the residual in
+`delta_layers.py`, what both families add around their layers in `delta_model.py`, the task heads in
+`delta_heads.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
-(`configuration_delta_llama.py`, `delta_model.py`, `delta_layers.py`, `delta_reads.py`, `delta_net.py`, `delta_ops.py`,
-`delta_compat.py`), which `save_pretrained` copies next to the weights.
+(`configuration_delta_llama.py`, `delta_model.py`, `delta_heads.py`, `delta_layers.py`, `delta_reads.py`,
+`delta_net.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained` copies next to the weights.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Q
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
+from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassification, DeltaForTokenClassification
 from .delta_layers import DeltaResidual, spectral_std
-from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids, register_renamed_weights
+from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
 
 
@@ -360,7 +362,25 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
         )
 
 
-register_renamed_weights(DeltaLlamaConfig.model_type)
+class DeltaLlamaForSequenceClassification(DeltaForSequenceClassification, DeltaLlamaPreTrainedModel):
+    """DeltaLlama with a linear head on the last non-padding token, as `LlamaForSequenceClassification`
+    (`delta_heads.py`)."""
+
+    stack_class = DeltaLlamaModel
+
+
+class DeltaLlamaForTokenClassification(DeltaForTokenClassification, DeltaLlamaPreTrainedModel):
+    """DeltaLlama with a linear head on every token, as `LlamaForTokenClassification` (`delta_heads.py`)."""
+
+    stack_class = DeltaLlamaModel
+
+
+class DeltaLlamaForQuestionAnswering(DeltaForQuestionAnswering, DeltaLlamaPreTrainedModel):
+    """DeltaLlama with a span head for extractive question answering, as `LlamaForQuestionAnswering`
+    (`delta_heads.py`), whose stack transformers keeps under `transformer` for older checkpoints."""
+
+    base_model_prefix = "transformer"
+    stack_class = DeltaLlamaModel
 
 
 # The authors' residual output projections (their `attn.o_proj` and `mlp.o_proj`), under the Llama family's names.
@@ -397,6 +417,9 @@ def init_reference_backbone(model: nn.Module, embedding_std: float = 0.02) -> nn
 __all__ = [
     "DeltaLlamaDecoderLayer",
     "DeltaLlamaForCausalLM",
+    "DeltaLlamaForQuestionAnswering",
+    "DeltaLlamaForSequenceClassification",
+    "DeltaLlamaForTokenClassification",
     "DeltaLlamaModel",
     "DeltaLlamaPreTrainedModel",
     "init_reference_backbone",

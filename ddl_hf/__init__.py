@@ -11,6 +11,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -35,6 +36,7 @@ from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
 from .delta_reads import DeltaRead, DeltaStateCache, DeltaStaticStateCache
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,
+    DeltaGPTForQuestionAnswering,
     DeltaGPTForSequenceClassification,
     DeltaGPTForTokenClassification,
     DeltaGPTModel,
@@ -42,6 +44,9 @@ from .modeling_delta_gpt import (
 )
 from .modeling_delta_llama import (
     DeltaLlamaForCausalLM,
+    DeltaLlamaForQuestionAnswering,
+    DeltaLlamaForSequenceClassification,
+    DeltaLlamaForTokenClassification,
     DeltaLlamaModel,
     DeltaLlamaPreTrainedModel,
     init_reference_backbone,
@@ -65,6 +70,7 @@ _AUTO_CLASSES = (
     (AutoModelForCausalLM, DeltaGPTForCausalLM),
     (AutoModelForSequenceClassification, DeltaGPTForSequenceClassification),
     (AutoModelForTokenClassification, DeltaGPTForTokenClassification),
+    (AutoModelForQuestionAnswering, DeltaGPTForQuestionAnswering),
 )
 
 AutoConfig.register(DeltaGPTConfig.model_type, DeltaGPTConfig, exist_ok=True)
@@ -77,7 +83,14 @@ register_peft_targets_on_import(DeltaGPTConfig.model_type)
 # DeltaLlama: the Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) with Delta residuals.
 AutoConfig.register(DeltaLlamaConfig.model_type, DeltaLlamaConfig, exist_ok=True)
 DeltaLlamaConfig.register_for_auto_class("AutoConfig")
-for _auto_class, _model_class in ((AutoModel, DeltaLlamaModel), (AutoModelForCausalLM, DeltaLlamaForCausalLM)):
+_LLAMA_AUTO_CLASSES = (
+    (AutoModel, DeltaLlamaModel),
+    (AutoModelForCausalLM, DeltaLlamaForCausalLM),
+    (AutoModelForSequenceClassification, DeltaLlamaForSequenceClassification),
+    (AutoModelForTokenClassification, DeltaLlamaForTokenClassification),
+    (AutoModelForQuestionAnswering, DeltaLlamaForQuestionAnswering),
+)
+for _auto_class, _model_class in _LLAMA_AUTO_CLASSES:
     _auto_class.register(DeltaLlamaConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
 register_peft_targets_on_import(DeltaLlamaConfig.model_type)
@@ -87,12 +100,16 @@ __all__ = [
     "ConversionError",
     "DeltaGPTConfig",
     "DeltaGPTForCausalLM",
+    "DeltaGPTForQuestionAnswering",
     "DeltaGPTForSequenceClassification",
     "DeltaGPTForTokenClassification",
     "DeltaGPTModel",
     "DeltaGPTPreTrainedModel",
     "DeltaLlamaConfig",
     "DeltaLlamaForCausalLM",
+    "DeltaLlamaForQuestionAnswering",
+    "DeltaLlamaForSequenceClassification",
+    "DeltaLlamaForTokenClassification",
     "DeltaLlamaModel",
     "DeltaLlamaPreTrainedModel",
     "DeltaNetAttention",

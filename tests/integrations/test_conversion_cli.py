@@ -42,6 +42,7 @@ CUSTOM_CODE = (
     "modeling_delta_gpt.py",
     "delta_layers.py",
     "delta_model.py",
+    "delta_heads.py",
     "delta_reads.py",
     "delta_net.py",
     "delta_ops.py",

@@ -44,6 +44,7 @@ CUSTOM_CODE = (
     "configuration_delta_gpt.py",
     "delta_layers.py",
     "delta_model.py",
+    "delta_heads.py",
     "delta_reads.py",
     "delta_ops.py",
     "delta_compat.py",

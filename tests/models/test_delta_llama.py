@@ -243,6 +243,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "configuration_delta_gpt.py",
         "delta_layers.py",
         "delta_model.py",
+        "delta_heads.py",
         "delta_reads.py",
         "delta_ops.py",
         "delta_compat.py",

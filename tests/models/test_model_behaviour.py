@@ -399,6 +399,7 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
         "modeling_delta_llama.py",
         "delta_layers.py",
         "delta_model.py",
+        "delta_heads.py",
         "delta_reads.py",
         "delta_net.py",
         "delta_ops.py",

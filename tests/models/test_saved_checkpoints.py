@@ -2,7 +2,10 @@
 tests/data/ddl_hf_0_2 (commit b72347a, before the layers-over-ops redesign) and tests/data/main_e568c07 (before the
 read became a module of the block and its parameters were renamed), both written by tests/data/make_fixtures.py. The
 saved outputs are the reference, not today's code. A directory also round-trips: loaded, saved and loaded again, it
-computes the same, and its weights keep the names they were saved under (transformers' renaming is undone on save).
+computes the same, and its weights keep the names they were saved under (transformers' rule for renames used at load).
+A model built now saves today's names: the old read names are load-only (`from_pretrained`'s `key_mapping`), not a
+registered conversion, which transformers would revert on every save and expects to apply to every instance (its own
+`test_reverse_loading_mapping`).
 
 They were computed on another machine, whose float32 kernels may sum in another order (another vector width or BLAS
 path): bit-identity holds only where both sides run on one machine. The bound is measured, not guessed: today's model
@@ -20,11 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import delta_config
 from rounding import float64_logits_and_bound, machine
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from transformers.conversion_mapping import get_model_conversion_mapping
 
-import ddl_hf  # noqa: F401  (registers the Auto classes)
+import ddl_hf
 
 DATA = Path(__file__).parents[1] / "data"
 FOLDERS = ("ddl_hf_0_2", "main_e568c07")
@@ -110,6 +115,39 @@ def test_a_directory_round_trips_through_save_and_load(fixture, tmp_path):
     ids, mask = expected["input_ids"], expected["attention_mask"]
     with torch.no_grad():
         assert torch.equal(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(delta_mode="paper", delta_value_channels=4),
+        dict(delta_value_channels=4, delta_state_read="channel_conv"),
+        dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv"),
+        dict(token_mixer="delta_net"),
+    ],
+    ids=["dv1", "paper-dv4", "cc", "tc-ec", "delta_net"],
+)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_new_model_saves_its_own_names_and_registers_no_conversion(family, variant, tmp_path):
+    """transformers' contract for conversions (`test_reverse_loading_mapping`): a registered one must apply to every
+    instance. None is registered, so a save writes the model's own parameter names, and they load back."""
+    if family == "gpt2":
+        model = ddl_hf.DeltaGPTForCausalLM(delta_config(**variant))
+    elif variant.get("token_mixer"):
+        pytest.skip("DeltaLlama's token mixer is attention only")
+    else:
+        config = ddl_hf.DeltaLlamaConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, **variant,
+        )  # fmt: skip
+        model = ddl_hf.DeltaLlamaForCausalLM(config)
+    assert get_model_conversion_mapping(model, add_legacy=False) == []
+    model.save_pretrained(tmp_path)
+    tied = set(model.all_tied_weights_keys)
+    assert set(safe_open_keys(tmp_path / "model.safetensors")) == set(model.state_dict()) - tied
+    _, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"))
 
 
 def safe_open_keys(path: Path) -> list[str]:

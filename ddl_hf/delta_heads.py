@@ -1,0 +1,1 @@
+../delta_heads.py
