@@ -1,9 +1,11 @@
-"""Argument definitions of `ddl-hf` and `convert-gpt2-to-delta-gpt`, importable without torch or transformers.
+"""The command line `ddl-hf` (convert, inspect, upgrade) and `convert-gpt2-to-delta-gpt`: its parsers and dispatch,
+importable without torch or transformers (`python -m ddl_hf_cli ...` runs it without installing).
 
 A module beside the `ddl_hf` package, not in it: importing anything under `ddl_hf` runs `ddl_hf/__init__.py`,
 which imports transformers (seconds). Building the parser and printing `--help` must stay instant, so the choice
 tuples are repeated here (a test checks them against `configuration_delta_gpt`) and each command imports its
-heavy module only when it runs.
+heavy module only when it runs. The dependency goes one way: this module calls into the package
+(`ddl_hf.conversion.cli.run_cli`, `ddl_hf.inspection.run_inspect`), which never imports it back.
 """
 
 from __future__ import annotations

@@ -266,9 +266,9 @@ def packed_document_starts(
     if on_device or past_seen_tokens:
         torch._assert_async(
             ~(starts.any() & (past_seen_tokens > 0)) if on_device else ~starts.any(),
-            "Packed input (position_ids restarting at 0) cannot continue a cache that already holds tokens, whose "
-            "recurrent state / convolution windows belong to the previous document. Run packed rows without a cache "
-            "(or with an empty one).",
+            "Packed input (position_ids restarting at 0) cannot continue a cache that already holds "
+            f"{'its' if on_device else past_seen_tokens} tokens, whose recurrent state / convolution windows belong to "
+            "the previous document. Run packed rows without a cache (or with an empty one).",
         )
         if not on_device:
             return None  # nothing starts: the usual decoding path

@@ -78,7 +78,8 @@ class DeltaConvContext:
         else:
             last = history[:, history.shape[1] - (size - 1) :]
             self.cache.keep_window(key, last.clone() if x.requires_grad else last)
-        return history[:, : size - 1]  # the past as read before `keep_window` (a static cache writes it in place)
+        # A static cache has just overwritten the window `past` may view: its rows as they were live on in `history`.
+        return past if self.cache.delta_keeps_history else history[:, : size - 1]
 
     def keeps_history(self, x: torch.Tensor) -> bool:
         """Whether the next window is the last forward's whole input, `[past, x]` (what assisted decoding crops), or

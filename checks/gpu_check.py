@@ -83,8 +83,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-additive-dv1": ("llama", dict(delta_mode="additive", delta_value_channels=1)),
     "llama-paper-dv4": ("llama", dict(delta_mode="paper", delta_value_channels=4)),
 }
-#: Compiled cost rows (kind, variant), in priority order: the budget guard drops the last first. TC decoding: the
-#: static cache's refusal, recorded as "not supported".
+#: Compiled cost rows (kind, variant), in priority order: the budget guard drops the last first. TC decoding runs over
+#: DeltaStaticStateCache (a static cache refused by a model would be recorded as "not supported").
 COMPILED_ROWS = (
     ("train", "additive-dv1"),
     ("decode", "paper-dv4-tc"),

@@ -168,21 +168,4 @@ def _fail(message: str) -> int:
     return 1
 
 
-def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `ddl-hf inspect` (the arguments are defined in the light `ddl_hf_cli`)."""
-    from ddl_hf_cli import add_inspect_subcommand
-
-    return add_inspect_subcommand(subparsers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ddl_hf.inspection MODEL --text FILE`: the same as `ddl-hf inspect MODEL --text FILE`."""
-    from ddl_hf_cli import main as cli_main
-
-    return cli_main(["inspect", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-__all__ = ["BetaMap", "add_cli", "beta_map", "load_model_and_tokenizer", "main", "run_inspect"]
+__all__ = ["BetaMap", "beta_map", "load_model_and_tokenizer", "run_inspect"]

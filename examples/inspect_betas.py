@@ -1,7 +1,7 @@
 """`ddl-hf inspect`: which Delta blocks keep, forget or reflect, token by token.
 
     ddl-hf inspect outputs/demo/delta-gpt --text my.txt --output betas.png     # console command
-    python -m ddl_hf.inspection outputs/demo/delta-gpt --text my.txt            # the same, without installing
+    python -m ddl_hf_cli inspect outputs/demo/delta-gpt --text my.txt           # the same, without installing
     python examples/inspect_betas.py [--model outputs/demo/delta-gpt]          # this script: a bundled play
 
 Prints a table per Delta block (mean/min/max beta, fraction of tokens with beta < 0.5 "keep", 0.5-1.5
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ddl_hf.corpus import load_text
-from ddl_hf.inspection import main as inspect_main
+from ddl_hf_cli import main as cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "sample.txt"
         path.write_text(text, encoding="utf-8")
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        return inspect_main(
-            [args.model, "--text", str(path), "--output", args.output, "--max-tokens", str(args.max_tokens)]
+        return cli_main(
+            ["inspect", args.model, "--text", str(path), "--output", args.output, "--max-tokens", str(args.max_tokens)]
         )
 
 

@@ -16,7 +16,7 @@ Three layers, each usable on its own:
 """
 
 from .atomic import atomic_directory
-from .cli import add_cli, run_cli
+from .cli import run_cli
 from .converting import DTYPES, convert_gpt2, load_gpt2
 from .errors import ConversionError
 from .exporting import beta_upper_bounds, export_to_gpt2
@@ -30,7 +30,6 @@ __all__ = [
     "SAMPLE_TEXT",
     "ConversionError",
     "EquivalenceReport",
-    "add_cli",
     "atomic_directory",
     "beta_upper_bounds",
     "convert_checkpoint",

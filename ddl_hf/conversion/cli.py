@@ -14,19 +14,12 @@ import os
 import sys
 from pathlib import Path
 
-from ddl_hf_cli import add_convert_subcommand
-
 from ..configuration_delta_gpt import DELTA_EMBED_EXPANDS, DELTA_GATES, DELTA_STATE_READS, DELTA_VALUES
 from .converting import looks_like_path
 from .errors import ConversionError
 from .families import ResolvedSource, resolve_source, source_model_type
 from .hub import convert_checkpoint, push_converted_to_hub
 from .upgrade import upgrade_checkpoint
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `convert` to the `ddl-hf` command line (the flags are defined in the light `ddl_hf_cli`)."""
-    return add_convert_subcommand(subparsers)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -147,4 +140,4 @@ def recorded_command(args: argparse.Namespace, source: ResolvedSource | None = N
     )
 
 
-__all__ = ["add_cli", "recorded_command", "run_cli", "run_upgrade_cli"]
+__all__ = ["recorded_command", "run_cli", "run_upgrade_cli"]

@@ -228,3 +228,19 @@ def test_convert_missing_local_source_says_no_such_directory(tmp_path):
     assert "No such directory: './does-not-exist'" in line and "Hub id" in line
     assert "repo id" not in line.lower()
     assert not (tmp_path / "out").exists()
+
+
+def test_the_package_never_imports_the_command_line_module_back():
+    """One direction: `ddl_hf_cli` calls into the package when a command runs; no module of the package imports
+    `ddl_hf_cli` (which would make the two a circle)."""
+    import ast
+
+    importers = []
+    for path in sorted((ROOT / "ddl_hf").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            if any(name.split(".")[0] == "ddl_hf_cli" for name in names):
+                importers.append(str(path.relative_to(ROOT)))
+    assert importers == []

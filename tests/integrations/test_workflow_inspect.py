@@ -10,6 +10,7 @@ import torch
 from workflow_utils import load_example, tiny_gpt2_dir
 
 import ddl_hf
+import ddl_hf_cli
 from ddl_hf.inspection import beta_map
 
 
@@ -42,7 +43,7 @@ def test_inspect_cli_table_and_heatmap(delta_dir, tmp_path):
     png = tmp_path / "betas.png"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = ddl_hf.inspection.main([str(tmp / "delta"), "--text", str(text), "--output", str(png)])
+        code = ddl_hf_cli.main(["inspect", str(tmp / "delta"), "--text", str(text), "--output", str(png)])
     assert code == 0
     printed = stdout.getvalue()
     rows = {line.split()[0]: line.split() for line in printed.splitlines() if line.startswith("L")}
