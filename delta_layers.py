@@ -91,7 +91,9 @@ class DeltaResidual(nn.Module):
         """Eq. 2.5 after the sublayer: the state X, its read x, the sublayer's input c = norm(x) and output h = F(c).
         Returns the new state and beta `[...]`."""
         kernels = delta_kernels(self.config.delta_implementation, state)
-        whole = kernels.residual or (None if torch.is_grad_enabled() else kernels.residual_step)
+        # without autograd the model's inference step where it has one (generation), else its whole-residual op
+        step_only = kernels.residual_step is not None and not torch.is_grad_enabled()
+        whole = kernels.residual_step if step_only else kernels.residual
         weights = None if whole is None else self.step_weights()
         if weights is not None:  # the model's kernel takes the whole residual: one op
             step = whole(state, x, c, h, weights)

@@ -14,10 +14,10 @@ and the host time between them. Three measurements, each Delta / GPT-2 for every
 3. Compute-free host time: one training step at a shape with almost no compute (12 layers, width 64, 16 tokens, one
    thread, bf16 autocast), wall time, Delta / GPT-2, the two interleaved, with an A/A row (GPT-2 against a copy of
    itself) for the noise floor; on the CPU's own "auto" route (the tensor ops: native kernels are asked for by name),
-   and on the Triton route with its kernels stubbed out (the host's share: dispatch, autograd, the op's Python;
-   Triton's own launcher cost is not in it).
+   on the Triton route with its kernels stubbed out (the host's share: dispatch, autograd, the op's Python;
+   Triton's own launcher cost is not in it), and with `--native` on the native CPU kernels (one op per residual).
 
-    python benchmarks/bench_launches.py            # all rows, ~3 min on 2 cores
+    python benchmarks/bench_launches.py --native   # all rows, ~4 min on 2 cores (+ the native kernels' first build)
     python benchmarks/bench_launches.py --quick    # fewer variants and timed steps (the test's run)
 
 Results: benchmarks/results/launches.{json,md}.
@@ -236,9 +236,10 @@ def gemms(variants: list[str]) -> dict:
 # --- 3. compute-free host time ------------------------------------------------------------------------------------
 
 
-def host_time(variants: list[str], steps: int) -> dict:
+def host_time(variants: list[str], steps: int, native: bool = False) -> dict:
     """Median wall time of a training step, Delta / GPT-2, interleaved step by step (12 layers, width 64, 16
-    tokens), with an A/A row; "auto" (this CPU's route) and the Triton route with its kernels stubbed."""
+    tokens), with an A/A row; "auto" (this CPU's route), the Triton route with its kernels stubbed, and with `native`
+    the native CPU kernels (one op per residual, asked for by name)."""
     ids = torch.randint(1, 97, (1, 16), generator=torch.Generator().manual_seed(0))
     gpt2, twin = models(None, 12, 64), models(None, 12, 64)
 
@@ -262,6 +263,8 @@ def host_time(variants: list[str], steps: int) -> dict:
             "auto": ratio(training_step(models(name, 12, 64, "auto"), ids)),
             "triton_stubbed": ratio(training_step(models(name, 12, 64, "triton"), ids), stub=True),
         }
+        if native:
+            rows[name]["native"] = ratio(training_step(models(name, 12, 64, "native"), ids))
     return rows
 
 
@@ -316,13 +319,13 @@ def markdown(results: dict) -> str:
         "",
         "## Compute-free host time of a training step, Delta / GPT-2 (12 layers, width 64, 16 tokens, 1 thread)",
         "",
-        "| variant | auto (CPU: the tensor ops) | triton, kernels stubbed | goal |",
-        "| --- | --- | --- | --- |",
+        "| variant | auto (CPU: the tensor ops) | native (one op per residual) | triton, kernels stubbed | goal |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name, row in host.items():
         goal = HOST_GOALS.get(goal_family(name)) if not name.startswith("A/A") else None
-        stub = f"{row['triton_stubbed']:.2f}" if "triton_stubbed" in row else ""
-        lines.append(f"| {name} | {row['auto']:.2f} | {stub} | {f'<= {goal:.2f}' if goal else ''} |")
+        native, stub = (f"{row[k]:.2f}" if k in row else "" for k in ("native", "triton_stubbed"))
+        lines.append(f"| {name} | {row['auto']:.2f} | {native} | {stub} | {f'<= {goal:.2f}' if goal else ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -332,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per host-time row (default 30; 5 quick)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", default="launches", help="basename of the result files")
+    parser.add_argument("--native", action="store_true", help="also time the native CPU kernels (builds them once)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     prov = provenance(argv)
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         "provenance": prov,
         "launches": launches(variants),
         "gemms": gemms(variants),
-        "host_time": host_time(variants, steps),
+        "host_time": host_time(variants, steps, args.native),
     }
     write_results(args.out, args.name, results, markdown(results))
     return results

@@ -1,6 +1,7 @@
-"""Optional native CPU kernels for the Delta ops: the fused Delta update and the TC read, each in one pass over the
-state, forward and backward, and a residual's whole inference step (gate, value, update) in one call
-(`csrc/training.cpp`), where the tensor ops make several (docs/performance.md has what they save).
+"""Optional native CPU kernels for the Delta ops (`csrc/training.cpp`): a whole Delta residual (gate, value, write) as
+one op with its backward, the fused Delta update and the TC read, each in one pass over the state, forward and
+backward, and a residual's inference step in one call, where the tensor ops make several (docs/performance.md has
+what they save).
 
 A model runs them when its config says `delta_implementation="native"` (`ddl_hf.kernels`), where they apply: CPU
 float32 / float64 tensors outside compile, export and jit tracing; everywhere else the tensor ops run. A model gives
@@ -23,6 +24,10 @@ import torch
 from torch.nn.modules import module as _torch_module
 
 from .delta_ops import DeltaKernel, DeltaKernels, ResidualWeights
+
+#: The value's kinds as the residual op takes them (triton_delta's numbering).
+VALUE_LINEAR, VALUE_SIGMOID, VALUE_CONSTANT = 0, 1, 2
+_HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 _SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
 _FLAGS = ["-O3", "-fopenmp-simd"]  # omp simd: vectorised loops, no OpenMP runtime
@@ -110,14 +115,71 @@ def _residual_step(
     return _kernels.residual_step(state, c, h, x, *weights)
 
 
+class _Residual(torch.autograd.Function):
+    """A whole Delta residual as one autograd node over the native forward and backward (one call each)."""
+
+    @staticmethod
+    def forward(ctx, state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias, *settings):
+        out, beta = _kernels.residual_forward(
+            state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias, *settings
+        )
+        erase = settings[-1]
+        ctx.set_materialize_grads(False)  # beta's gradient is None unless beta is used
+        ctx.settings, ctx.out_shape, ctx.out_dtype = settings, out.shape, out.dtype
+        ctx.save_for_backward(state if erase else None, read, c, h, gate_weight, gate_bias, beta_open, value_weight,
+                              value_bias)  # fmt: skip
+        return out, beta
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_state, grad_beta):
+        state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias = ctx.saved_tensors
+        if grad_state is None:  # only beta was used: the state's gradient is zero
+            grad_state = h.new_zeros(ctx.out_shape, dtype=ctx.out_dtype)
+        grads = _kernels.residual_backward(
+            grad_state, grad_beta, state, read, c, h, gate_weight, gate_bias, beta_open, value_weight, value_bias,
+            *ctx.settings,
+        )  # fmt: skip
+        return (*grads, *([None] * len(ctx.settings)))
+
+
+def _residual(
+    state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`DeltaKernels.residual`: `(new_state, beta)` as one autograd node, or None where it does not apply
+    (`_step_applies`: the fused call skips the gate's and value's module calls) or does not take these dtypes: a
+    float64 state with float64 h and c, or a float32 state with float32, bf16 or fp16 h and c (autocast's mixed
+    dtypes); the new state keeps the state's dtype."""
+    if not _step_applies(state):
+        return None
+    if state.dtype == torch.float64:
+        if c.dtype != torch.float64 or h.dtype != torch.float64:
+            return None
+    elif state.dtype != torch.float32 or c.dtype not in _HALF_OR_FLOAT or h.dtype not in _HALF_OR_FLOAT:
+        return None
+    additive = weights.additive
+    if weights.value_weight is None:
+        mode, read = VALUE_CONSTANT, None
+    elif weights.value_scale is None:
+        mode, read = VALUE_LINEAR, None
+    else:
+        mode, read = VALUE_SIGMOID, x
+    return _Residual.apply(
+        state, read, c, h, weights.gate_weight, weights.gate_bias, weights.beta_open, weights.value_weight,
+        weights.value_bias, mode, 1.0 if weights.value_scale is None else weights.value_scale,
+        weights.value_constant, weights.eps, additive, weights.erase,
+    )  # fmt: skip
+
+
 def native_kernels(verbose: bool = False) -> DeltaKernels:
-    """The native kernels as `delta_implementation="native"` runs them: the Delta write and the TC read (training and
-    generation, where they apply: `_applies`) and, without autograd (generation), each Delta residual's gate, value
-    and update as one call (`residual_step`).
+    """The native kernels as `delta_implementation="native"` runs them: each Delta residual (gate, value, write) as
+    one op with its backward (`residual`, training), or without autograd as one call (`residual_step`, generation);
+    the Delta write and the TC read where those do not apply (`_applies`).
 
     Raises `NativeKernelUnavailable` (naming what is missing) where they cannot be built."""
     kernels = load_training_kernels(verbose)
     return DeltaKernels(
+        residual=_residual,
         residual_step=_residual_step,
         delta_update=DeltaKernel(kernels.delta_update_forward, kernels.delta_update_backward, _applies),
         tc_read=DeltaKernel(kernels.tc_read_forward, kernels.tc_read_backward, _applies),

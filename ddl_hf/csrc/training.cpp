@@ -452,6 +452,330 @@ py::object residual_step(const at::Tensor& state_in, const at::Tensor& c_in, con
   });
   return py::make_tuple(out, beta);
 }
+
+// ---- a whole Delta residual, with autograd (delta_implementation="native") -----------------------------------------
+//
+// The same math as triton_delta's _forward_kernel / _backward_kernel (their reference: DeltaResidual's tensor ops),
+// per token n: g = w_g . c + b_g, beta = 2 sigmoid(g) clamp(rho, 0, 1); the value v = W_v u + b_v (u = c), or
+// scale sigmoid(W_v x + b_v) (u = the read x), or a constant; r = 1 / sqrt(|h|^2 + eps^2); s = r beta (v - r h^T X)
+// (+ 1 additive; no h^T X without erase); X' = X + h s^T. The backward recomputes everything from the inputs and
+// writes dX, dh, dc (dx for the sigmoid value) and the weights' gradients, summed over blocks of tokens in a fixed
+// order (deterministic). Each tensor is read and written in its own dtype (autocast hands a float32 state beside a
+// bf16 h and a float32 c), sums run in A (float; double with a double state). Per call a handful of allocations and
+// no other ATen op: at the sizes where the host's time is what a step costs, that is the point of one op.
+
+constexpr int64_t kResidualBlock = 32;  // tokens per block of weight-gradient sums
+enum ValueMode { kLinear = 0, kSigmoid = 1, kConstant = 2 };
+
+struct Residual {
+  int64_t tokens, dim, channels;
+  int mode;
+  double value_scale, value_constant, eps;
+  bool additive, erase;
+};
+
+template <typename A>
+A logistic(A x) {
+  return x >= 0 ? A(1) / (A(1) + std::exp(-x)) : std::exp(x) / (A(1) + std::exp(x));
+}
+
+// The weights in A: the model's parameters (float32, or double), converted only where they are another dtype.
+template <typename A>
+struct Weights {
+  std::vector<A> gw, vw, vb;
+  A gb, rho;
+};
+
+template <typename A>
+std::vector<A> values_of(const at::Tensor& t) {
+  constexpr at::ScalarType dtype = c10::CppTypeToScalarType<A>::value;
+  const at::Tensor c = t.scalar_type() == dtype && t.is_contiguous() ? t : t.to(dtype).contiguous();  // no ATen call
+  const A* data = c.data_ptr<A>();                                                                     // in the usual
+  return std::vector<A>(data, data + c.numel());                                                       // case
+}
+
+// `values` (n sums in A) into a new tensor shaped and typed like `param` (its gradient).
+template <typename A>
+at::Tensor gradient_like(const at::Tensor& param, const A* values) {
+  constexpr at::ScalarType dtype = c10::CppTypeToScalarType<A>::value;
+  at::Tensor grad = at::empty(param.sizes(), param.options().dtype(dtype));
+  std::copy(values, values + param.numel(), grad.data_ptr<A>());
+  return param.scalar_type() == dtype ? grad : grad.to(param.scalar_type());
+}
+
+template <typename A>
+Weights<A> weights_of(const at::Tensor& gate_weight, const at::Tensor& gate_bias, const at::Tensor& beta_open,
+                      const c10::optional<at::Tensor>& value_weight, const c10::optional<at::Tensor>& value_bias) {
+  Weights<A> w;
+  w.gw = values_of<A>(gate_weight);
+  w.gb = values_of<A>(gate_bias)[0];
+  w.rho = values_of<A>(beta_open)[0];
+  if (value_weight) {
+    w.vw = values_of<A>(*value_weight);
+    w.vb = values_of<A>(*value_bias);
+  }
+  return w;
+}
+
+// Per token: the gate's pre-activation (no bias), |h|^2, h^T X, W_v u, and with G h^T G.
+template <typename S, typename H, typename C, typename A>
+void token_sums(const S* xn, const C* un, const C* cn, const H* hn, const Weights<A>& w, const S* gn,
+                const Residual& p, A& g, A& hh, A* hx, A* z, A* hg) {
+  const int64_t D = p.dim, V = p.channels;
+  g = 0;
+  hh = 0;
+  for (int64_t v = 0; v < V; ++v) hx[v] = z[v] = hg[v] = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    const A hd = static_cast<A>(hn[d]);
+    g += w.gw[d] * static_cast<A>(cn[d]);
+    hh += hd * hd;
+    const A ud = p.mode != kConstant ? static_cast<A>(un[d]) : A(0);
+    for (int64_t v = 0; v < V; ++v) {
+      if (p.erase) hx[v] += hd * static_cast<A>(xn[d * V + v]);
+      if (gn != nullptr) hg[v] += hd * static_cast<A>(gn[d * V + v]);
+      if (p.mode != kConstant) z[v] += w.vw[v * D + d] * ud;
+    }
+  }
+}
+
+template <typename S, typename H, typename C, typename A>
+void residual_forward_rows(const S* X, const C* xr, const C* c, const H* h, const Weights<A>& w, const Residual& p,
+                           int64_t begin, int64_t end, S* out, A* beta_out) {
+  const int64_t D = p.dim, V = p.channels;
+  std::vector<A> hx(V), z(V), hg(V), s(V);
+  const A open = std::min(std::max(w.rho, A(0)), A(1));
+  for (int64_t n = begin; n < end; ++n) {
+    const S* xn = X + n * D * V;
+    const C* cn = c + n * D;
+    const C* un = p.mode == kSigmoid ? xr + n * D : cn;
+    const H* hn = h + n * D;
+    A g, hh;
+    token_sums<S, H, C, A>(xn, un, cn, hn, w, nullptr, p, g, hh, hx.data(), z.data(), hg.data());
+    const A beta = A(2) * logistic(g + w.gb) * open;
+    const A r = A(1) / std::sqrt(hh + static_cast<A>(p.eps * p.eps));
+    for (int64_t v = 0; v < V; ++v) {
+      A value = static_cast<A>(p.value_constant);
+      if (p.mode != kConstant) value = z[v] + w.vb[v];
+      if (p.mode == kSigmoid) value = static_cast<A>(p.value_scale) * logistic(value);
+      const A coefficient = p.erase ? value - r * hx[v] : value;
+      s[v] = p.additive ? r * beta * coefficient + A(1) : r * beta * coefficient;  // exactly 1 at beta = 0
+    }
+    S* on = out + n * D * V;
+    for (int64_t d = 0; d < D; ++d) {
+      const A hd = static_cast<A>(hn[d]);
+      for (int64_t v = 0; v < V; ++v) on[d * V + v] = static_cast<S>(static_cast<A>(xn[d * V + v]) + hd * s[v]);
+    }
+    beta_out[n] = beta;
+  }
+}
+
+// One block of tokens; `sums` (this block's own, zeroed): [dw_g (D) | db_g | drho | dW_v (V x D) | db_v (V)].
+template <typename S, typename H, typename C, typename A>
+void residual_backward_rows(const S* X, const C* xr, const C* c, const H* h, const Weights<A>& w, const S* G,
+                            const A* gbeta, const Residual& p, int64_t begin, int64_t end, S* dX, C* dxr, C* dc,
+                            H* dh, A* sums) {
+  const int64_t D = p.dim, V = p.channels;
+  std::vector<A> hx(V), z(V), hg(V), scale(V), erase_coef(V), dz(V);
+  const A open = std::min(std::max(w.rho, A(0)), A(1));
+  A* d_gw = sums;
+  A* d_vw = sums + D + 2;
+  A* d_vb = d_vw + V * D;
+  for (int64_t n = begin; n < end; ++n) {
+    const S* xn = p.erase ? X + n * D * V : nullptr;
+    const S* gn = G + n * D * V;
+    const C* cn = c + n * D;
+    const C* un = p.mode == kSigmoid ? xr + n * D : cn;
+    const H* hn = h + n * D;
+    A g, hh;
+    token_sums<S, H, C, A>(xn, un, cn, hn, w, gn, p, g, hh, hx.data(), z.data(), hg.data());
+    const A sigma = logistic(g + w.gb);
+    const A beta = A(2) * sigma * open;
+    const A r = A(1) / std::sqrt(hh + static_cast<A>(p.eps * p.eps));
+    A h_dot_dk = 0, d_beta = gbeta != nullptr ? gbeta[n] : A(0);
+    for (int64_t v = 0; v < V; ++v) {
+      A value = static_cast<A>(p.value_constant), sigma_v = 0;
+      if (p.mode != kConstant) value = z[v] + w.vb[v];
+      if (p.mode == kSigmoid) {
+        sigma_v = logistic(value);
+        value = static_cast<A>(p.value_scale) * sigma_v;
+      }
+      const A residual = p.erase ? value - r * hx[v] : value;  // v - k^T X
+      const A b_kg = beta * r * hg[v];                          // beta k^T G = dL/dv
+      const A coef = beta * residual;
+      scale[v] = p.additive ? r * coef + A(1) : r * coef;
+      h_dot_dk += p.erase ? hg[v] * coef - hx[v] * b_kg : hg[v] * coef;
+      d_beta += r * hg[v] * residual;
+      dz[v] = p.mode == kSigmoid ? b_kg * static_cast<A>(p.value_scale) * sigma_v * (A(1) - sigma_v) : b_kg;
+      erase_coef[v] = -r * b_kg;  // the erase term's weight on X in dh and on h in dX
+    }
+    const A cube = r * r * r * h_dot_dk;
+    const A d_logit = d_beta * A(2) * open * sigma * (A(1) - sigma);
+    sums[D] += d_logit;
+    sums[D + 1] += d_beta * A(2) * sigma;  // straight through the clamp, as the tensor ops' rho
+    S* dxn = dX + n * D * V;
+    for (int64_t d = 0; d < D; ++d) {
+      const A hd = static_cast<A>(hn[d]);
+      const A ud = p.mode != kConstant ? static_cast<A>(un[d]) : A(0);
+      A d_h = -hd * cube, d_u = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        const A grad = static_cast<A>(gn[d * V + v]);
+        d_h += grad * scale[v];
+        A d_x = grad;
+        if (p.erase) {
+          d_h += static_cast<A>(xn[d * V + v]) * erase_coef[v];
+          d_x += hd * erase_coef[v];
+        }
+        dxn[d * V + v] = static_cast<S>(d_x);
+        if (p.mode != kConstant) {
+          d_u += dz[v] * w.vw[v * D + d];
+          d_vw[v * D + d] += dz[v] * ud;
+        }
+      }
+      dh[n * D + d] = static_cast<H>(d_h);
+      d_gw[d] += d_logit * static_cast<A>(cn[d]);
+      dc[n * D + d] = static_cast<C>(d_logit * w.gw[d] + (p.mode == kLinear ? d_u : A(0)));
+      if (dxr != nullptr) dxr[n * D + d] = static_cast<C>(d_u);
+    }
+    if (p.mode != kConstant)
+      for (int64_t v = 0; v < V; ++v) d_vb[v] += dz[v];
+  }
+}
+
+Residual residual_of(const at::Tensor& state, const c10::optional<at::Tensor>& read, const at::Tensor& c,
+                     const at::Tensor& h, const at::Tensor& gate_weight, const at::Tensor& gate_bias,
+                     const at::Tensor& beta_open, const c10::optional<at::Tensor>& value_weight,
+                     const c10::optional<at::Tensor>& value_bias, int64_t mode, double value_scale,
+                     double value_constant, double eps, bool additive, bool erase) {
+  const int64_t D = h.size(-1), N = D > 0 ? h.numel() / D : 0, V = state.dim() == h.dim() ? 1 : state.size(-1);
+  TORCH_CHECK(state.numel() == N * D * V && c.numel() == N * D, "residual: state [..., D(, d_v)], c and h [..., D]");
+  TORCH_CHECK(mode != kSigmoid || (read && read->numel() == N * D), "residual: the sigmoid value reads x [..., D]");
+  TORCH_CHECK(mode == kConstant || (value_weight && value_weight->numel() == V * D && value_bias &&
+                                    value_bias->numel() == V),
+              "residual: the value must be a D -> d_v linear layer");
+  TORCH_CHECK(gate_weight.numel() == D && gate_bias.numel() == 1 && beta_open.numel() == 1,
+              "residual: the gate must be a D -> 1 linear layer and beta_open one number");
+  return {N, D, V, static_cast<int>(mode), value_scale, value_constant, eps, additive, erase};
+}
+
+// The x read by the sigmoid value, in c's dtype (they agree under autocast and without it; converted otherwise).
+at::Tensor read_like(const c10::optional<at::Tensor>& read, const at::Tensor& c) {
+  if (!read) return at::Tensor();
+  return read->scalar_type() == c.scalar_type() ? read->contiguous() : read->to(c.scalar_type()).contiguous();
+}
+
+// Calls body(S{}, H{}, C{}) for the dtypes of the state, h and c: float / double states, h and c in float, double,
+// bf16 or fp16 (with a double state: double only).
+template <typename Body>
+void with_dtypes(at::ScalarType state, at::ScalarType h, at::ScalarType c, Body body) {
+  auto with_c = [&](auto s, auto hh) {
+    switch (c) {
+      case at::kFloat: return body(s, hh, float{});
+      case at::kBFloat16: return body(s, hh, at::BFloat16{});
+      case at::kHalf: return body(s, hh, at::Half{});
+      default: TORCH_CHECK(false, "residual: c must be float32, bf16 or fp16 beside a float32 state");
+    }
+  };
+  if (state == at::kDouble) {
+    TORCH_CHECK(h == at::kDouble && c == at::kDouble, "residual: a float64 state takes float64 h and c");
+    return body(double{}, double{}, double{});
+  }
+  TORCH_CHECK(state == at::kFloat, "residual: the state must be float32 or float64");
+  switch (h) {
+    case at::kFloat: return with_c(float{}, float{});
+    case at::kBFloat16: return with_c(float{}, at::BFloat16{});
+    case at::kHalf: return with_c(float{}, at::Half{});
+    default: TORCH_CHECK(false, "residual: h must be float32, bf16 or fp16 beside a float32 state");
+  }
+}
+
+std::vector<at::Tensor> residual_forward(const at::Tensor& state_in, const c10::optional<at::Tensor>& read_in,
+                                         const at::Tensor& c_in, const at::Tensor& h_in,
+                                         const at::Tensor& gate_weight, const at::Tensor& gate_bias,
+                                         const at::Tensor& beta_open, const c10::optional<at::Tensor>& value_weight,
+                                         const c10::optional<at::Tensor>& value_bias, int64_t mode,
+                                         double value_scale, double value_constant, double eps, bool additive,
+                                         bool erase) {
+  const Residual p = residual_of(state_in, read_in, c_in, h_in, gate_weight, gate_bias, beta_open, value_weight,
+                                 value_bias, mode, value_scale, value_constant, eps, additive, erase);
+  const at::Tensor X = state_in.contiguous(), c = c_in.contiguous(), h = h_in.contiguous(), xr = read_like(read_in, c);
+  at::Tensor out = at::empty(state_in.sizes(), X.options());
+  at::Tensor beta = at::empty(h_in.sizes().slice(0, h_in.dim() - 1), X.options());
+  with_dtypes(X.scalar_type(), h.scalar_type(), c.scalar_type(), [&](auto s, auto hh, auto cc) {
+    using S = decltype(s);
+    using H = decltype(hh);
+    using C = decltype(cc);
+    using A = S;  // float or double
+    const Weights<A> w = weights_of<A>(gate_weight, gate_bias, beta_open, value_weight, value_bias);
+    at::parallel_for(0, p.tokens, 16, [&](int64_t begin, int64_t end) {
+      residual_forward_rows<S, H, C, A>(X.data_ptr<S>(), xr.defined() ? xr.data_ptr<C>() : nullptr,
+                                        c.data_ptr<C>(), h.data_ptr<H>(), w, p, begin, end, out.data_ptr<S>(),
+                                        beta.data_ptr<A>());
+    });
+  });
+  return {out, beta};
+}
+
+// (dX, dx (the sigmoid value's read; undefined otherwise), dc, dh, d gate weight, d gate bias, d beta_open,
+// d value weight, d value bias (undefined for the constant value)), each in its tensor's dtype and shape.
+std::vector<at::Tensor> residual_backward(const at::Tensor& grad_state, const c10::optional<at::Tensor>& grad_beta,
+                                          const c10::optional<at::Tensor>& state_in,
+                                          const c10::optional<at::Tensor>& read_in, const at::Tensor& c_in,
+                                          const at::Tensor& h_in, const at::Tensor& gate_weight,
+                                          const at::Tensor& gate_bias, const at::Tensor& beta_open,
+                                          const c10::optional<at::Tensor>& value_weight,
+                                          const c10::optional<at::Tensor>& value_bias, int64_t mode,
+                                          double value_scale, double value_constant, double eps, bool additive,
+                                          bool erase) {
+  TORCH_CHECK(!erase || state_in.has_value(), "residual_backward: erase reads the state");
+  const at::Tensor& shape_of = erase ? *state_in : grad_state;  // without erase X is never read
+  const Residual p = residual_of(shape_of, read_in, c_in, h_in, gate_weight, gate_bias, beta_open, value_weight,
+                                 value_bias, mode, value_scale, value_constant, eps, additive, erase);
+  const at::ScalarType state_dtype = shape_of.scalar_type();
+  const at::Tensor G = grad_state.scalar_type() == state_dtype ? grad_state.contiguous()
+                                                               : grad_state.to(state_dtype).contiguous();
+  const at::Tensor X = erase ? state_in->contiguous() : G;
+  const at::Tensor c = c_in.contiguous(), h = h_in.contiguous(), xr = read_like(read_in, c);
+  const at::ScalarType acc = state_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor gbeta = !grad_beta ? at::Tensor()
+                           : grad_beta->scalar_type() == acc ? grad_beta->contiguous()
+                                                            : grad_beta->to(acc).contiguous();
+  at::Tensor dX = at::empty(grad_state.sizes(), G.options());
+  at::Tensor dc = at::empty(c_in.sizes(), c.options()), dh = at::empty(h_in.sizes(), h.options());
+  at::Tensor dxr = xr.defined() ? at::empty(read_in->sizes(), xr.options()) : at::Tensor();
+  const int64_t D = p.dim, V = p.channels, width = D + 2 + (mode == kConstant ? 0 : V * (D + 1));
+  at::Tensor d_gw, d_gb, d_rho, d_vw, d_vb;
+  with_dtypes(state_dtype, h.scalar_type(), c.scalar_type(), [&](auto s, auto hh, auto cc) {
+    using S = decltype(s);
+    using H = decltype(hh);
+    using C = decltype(cc);
+    using A = S;
+    const Weights<A> w = weights_of<A>(gate_weight, gate_bias, beta_open, value_weight, value_bias);
+    const int64_t blocks = (p.tokens + kResidualBlock - 1) / kResidualBlock;
+    std::vector<A> partial(std::max<int64_t>(blocks, 1) * width, A(0));
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t begin = b * kResidualBlock, end = std::min(begin + kResidualBlock, p.tokens);
+        residual_backward_rows<S, H, C, A>(
+            erase ? X.data_ptr<S>() : nullptr, xr.defined() ? xr.data_ptr<C>() : nullptr, c.data_ptr<C>(),
+            h.data_ptr<H>(), w, G.data_ptr<S>(), gbeta.defined() ? gbeta.data_ptr<A>() : nullptr, p, begin, end,
+            dX.data_ptr<S>(), dxr.defined() ? dxr.data_ptr<C>() : nullptr, dc.data_ptr<C>(), dh.data_ptr<H>(),
+            partial.data() + b * width);
+      }
+    });
+    std::vector<A> total(width, A(0));
+    for (int64_t b = 0; b < blocks; ++b)  // in block order: the same sums whatever the threads
+      for (int64_t i = 0; i < width; ++i) total[i] += partial[b * width + i];
+    d_gw = gradient_like(gate_weight, total.data());
+    d_gb = gradient_like(gate_bias, total.data() + D);
+    d_rho = gradient_like(beta_open, total.data() + D + 1);
+    if (mode != kConstant) {
+      d_vw = gradient_like(*value_weight, total.data() + D + 2);
+      d_vb = gradient_like(*value_bias, total.data() + D + 2 + V * D);
+    }
+  });
+  return {dX, dxr.defined() && dxr.scalar_type() != read_in->scalar_type() ? dxr.to(read_in->scalar_type()) : dxr,
+          dc, dh, d_gw, d_gb, d_rho, d_vw, d_vb};
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -460,4 +784,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tc_read_forward", &tc_read_forward, "TC read, forward (one pass over the state)");
   m.def("tc_read_backward", &tc_read_backward, "TC read, backward (one pass over the state)");
   m.def("residual_step", &residual_step, "A Delta residual's gate, value and update, inference (one call)");
+  m.def("residual_forward", &residual_forward, "A whole Delta residual, forward (gate, value, write; one pass)");
+  m.def("residual_backward", &residual_backward, "A whole Delta residual, backward (one pass, weight sums per block)");
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import itertools
 import sys
 
 import pytest
@@ -79,6 +80,7 @@ class Counting:
     def __init__(self, kernels: DeltaKernels):
         self.calls = collections.Counter()
         self.kernels = kernels._replace(
+            residual=self.counted("residual", "forward", kernels.residual),
             residual_step=self.counted("residual_step", "forward", kernels.residual_step),
             delta_update=self.wrap("delta_update", kernels.delta_update),
             tc_read=self.wrap("tc_read", kernels.tc_read),
@@ -250,6 +252,92 @@ class QuantizedLinear(torch.nn.Linear):
         return super().forward(x) + 1.0
 
 
+# ---- a whole residual as one op (training) ------------------------------------------------------------------------
+
+EPS64 = torch.finfo(torch.float64).eps
+COMBINATIONS = list(
+    itertools.product(("paper", "additive"), (1, 2, 4, 8), ("linear", "sigmoid", "constant"), (True, False))
+)
+OP_DIM, OP_SHAPE = 24, (3, 7)
+
+
+def combination_module(mode: str, channels: int, value: str, erase: bool) -> DeltaResidual:
+    """A DeltaResidual (its config says "auto": the CPU's tensor ops) with random weights, in float64."""
+    config = delta_config(
+        n_embd=OP_DIM, delta_mode=mode, delta_value_channels=channels, delta_value=value, delta_erase=erase,
+        delta_value_scale=2.0, delta_value_constant=0.7, delta_eps=1e-3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = DeltaResidual(config).double()
+    for parameter in module.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    with torch.no_grad():
+        module.beta_open.fill_(0.7)
+    return module
+
+
+def op_run(use_op: bool, module: DeltaResidual, dtypes: tuple, weights_dtype: torch.dtype) -> list:
+    """Outputs and every gradient under a random cotangent, inputs (state, x, c, h) in `dtypes`."""
+    module = copy.deepcopy(module).to(weights_dtype)
+    channels = module.value_channels
+    g = torch.Generator().manual_seed(1)
+    shapes = [(*OP_SHAPE, OP_DIM, *((channels,) if channels > 1 else ()))] + [(*OP_SHAPE, OP_DIM)] * 3
+    tensors = [torch.randn(s, generator=g, dtype=torch.float64).to(d).requires_grad_() for s, d in zip(shapes, dtypes)]
+    out, beta = native._residual(*tensors, module.step_weights()) if use_op else module(*tensors)
+    loss = (out.double() * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum()
+    loss = loss + (beta.double() * torch.randn(beta.shape, generator=g, dtype=torch.float64)).sum()
+    grads = torch.autograd.grad(loss, tensors + list(module.parameters()), allow_unused=True)
+    return [out, beta, *grads]
+
+
+def largest_error(result: list, reference: list) -> float:
+    errors = [0.0]
+    for a, b in zip(result, reference):
+        assert (a is None) == (b is None) or float((a if b is None else b).abs().max()) == 0
+        if a is not None and b is not None:
+            errors.append(float((a.double() - b.double()).abs().max()) / (float(b.abs().max()) or 1.0))
+    return max(errors)
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS, ids=["-".join(map(str, c)) for c in COMBINATIONS])
+def test_the_residual_op_matches_the_tensor_ops(kernels, combination):
+    """`ddl_hf::residual` on the CPU (gate, value, write as one op, its backward one call): every combination of the
+    tensor ops, values and every gradient. float64: within a D = 24 dot product's rounding with a margin. float32 and
+    autocast's mixed dtypes (a float32 state beside bf16 x, c and h): no further from the float64 result than 4 times
+    the tensor ops in the same dtypes (at least a few roundings of float32 / bf16)."""
+    module = combination_module(*combination)
+    f64 = (torch.float64,) * 4
+    reference = op_run(False, module, f64, torch.float64)
+    assert largest_error(op_run(True, module, f64, torch.float64), reference) <= 64 * OP_DIM * EPS64
+    for dtypes, floor in (
+        ((torch.float32,) * 4, 16 * torch.finfo(torch.float32).eps),
+        ((torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16), 4 * torch.finfo(torch.bfloat16).eps),
+    ):
+        own = largest_error(op_run(False, module, dtypes, torch.float32), reference)
+        assert largest_error(op_run(True, module, dtypes, torch.float32), reference) <= 4 * max(own, floor)
+
+
+@pytest.mark.parametrize("combination", [("paper", 4, "sigmoid", True), ("additive", 1, "linear", False),
+                                         ("paper", 2, "constant", True)])  # fmt: skip
+def test_the_residual_op_passes_gradcheck(kernels, combination):
+    module = combination_module(*combination)
+    weights = module.step_weights()
+    channels = module.value_channels
+    g = torch.Generator().manual_seed(3)
+    state = torch.randn(2, 3, OP_DIM, *((channels,) if channels > 1 else ()), generator=g, dtype=torch.float64)
+    x, c, h = (torch.randn(2, 3, OP_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    leaves = [state, x, c, h, weights.gate_weight, weights.gate_bias, weights.beta_open]
+    leaves += [] if weights.value_weight is None else [weights.value_weight, weights.value_bias]
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+
+    def op(state, x, c, h, gate_weight, gate_bias, beta_open, value_weight=None, value_bias=None):
+        given = weights._replace(gate_weight=gate_weight, gate_bias=gate_bias, beta_open=beta_open,
+                                 value_weight=value_weight, value_bias=value_bias)  # fmt: skip
+        return native._residual(state, x, c, h, given)
+
+    assert torch.autograd.gradcheck(op, leaves)
+
+
 def test_the_residual_step_declines_what_it_cannot_take_and_the_tensor_ops_run(spy, monkeypatch):
     """Not a plain nn.Linear gate or value (the MLP gate, a quantized or LoRA layer), a hooked layer (its hooks must
     run), a bf16 sublayer output: declined, and the residual gives what it gives without the step kernel. With
@@ -266,7 +354,7 @@ def test_the_residual_step_declines_what_it_cannot_take_and_the_tensor_ops_run(s
             got = step(module, *tensors)
         if spy.calls["residual_step_forward"] == 1:
             return True
-        with replaced(spy, residual_step=None), torch.no_grad():
+        with replaced(spy, residual_step=None, residual=None), torch.no_grad():
             want = step(module, *tensors)
         assert all(torch.equal(a, b) for a, b in zip(got, want))  # declined: exactly what runs without it
         return False
@@ -298,12 +386,12 @@ def test_the_residual_step_declines_what_it_cannot_take_and_the_tensor_ops_run(s
     assert runs(native_residual(), state, normed, h)  # removed: taken again
     assert not runs(native_residual(), state, normed, h.bfloat16())
     spy.calls.clear()
-    step(native_residual(), state, normed, h)  # autograd records: the update op (its own kernel) runs
-    assert spy.calls == {"delta_update_forward": 1}
+    step(native_residual(), state, normed, h)  # autograd records: the whole residual's op (its own kernel) runs
+    assert spy.calls == {"residual_forward": 1}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with torch.no_grad():
         step(native_residual(), state, normed, h)
-    assert spy.calls == {"delta_update_forward": 1, "residual_step_declined": 1}
+    assert spy.calls == {"residual_forward": 1, "residual_step_declined": 1}
 
 
 # ---- the TC read --------------------------------------------------------------------------------------------------
@@ -424,7 +512,7 @@ def test_a_model_trains_with_the_native_kernels_as_with_tensor_ops(spy, fields):
     mask[1, :3] = 0
     residuals = sum(isinstance(m, DeltaResidual) for m in model.modules())
     reads = len(tc_reads(model))
-    expected_calls = {"delta_update_forward": residuals, "delta_update_backward": residuals}
+    expected_calls = {"residual_forward": residuals}  # one op per residual, its backward inside
     if reads:  # every TC read, the read-out's included
         expected_calls |= {"tc_read_forward": reads, "tc_read_backward": reads}
     for use_cache in (True, False):
@@ -464,25 +552,33 @@ def test_a_packed_row_reads_each_document_alone_with_the_native_read(spy):
     assert (leaked - alone).abs().max() > 1e-2  # the test can fail: documents 2.. differ when not packed
 
 
-def test_the_native_read_under_bf16_autocast_matches_tensor_ops(spy):
-    """The state stays float32 under autocast, so the TC read's kernel runs (the update's does not: the sublayer
-    output is bf16); the loss and gradients are those of tensor ops."""
+def test_the_native_kernels_under_bf16_autocast_are_as_close_to_float32_as_the_tensor_ops(spy):
+    """The state stays float32 under autocast, so the TC read's kernel runs, and the whole residual's op takes the
+    bf16 sublayer output beside the float32 state (autocast's mixed dtypes). It computes the gate and value in float32
+    where the tensor ops run them as bf16 matmuls, so the two differ by bf16 roundings downstream; each is measured
+    against the float32 model without autocast: the kernels' loss and gradients no further from it than 4 times the
+    tensor ops' (an elementwise bound between the two would test which bf16 roundings flip)."""
     model = variant_model(**TC, **NATIVE).train()
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with eager(model):
+    with eager(model):
+        reference = losses_and_grads(model, ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             plain = losses_and_grads(model, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = losses_and_grads(model, ids)
     assert spy.calls["tc_read_forward"] > 0 and spy.calls["tc_read_backward"] > 0
-    assert spy.calls["delta_update_forward"] == 0
-    torch.testing.assert_close(fast[0], plain[0], rtol=1e-5, atol=1e-5)
-    for name, grad in plain[1].items():
-        torch.testing.assert_close(fast[1][name], grad, rtol=1e-3, atol=1e-4, msg=name)
+    assert spy.calls["residual_forward"] > 0 and spy.calls["delta_update_forward"] == 0
+
+    def error(run) -> float:
+        loss = float((run[0] - reference[0]).abs() / reference[0].abs())
+        return max(loss, float((flat(run[1]) - flat(reference[1])).abs().max() / flat(reference[1]).abs().max()))
+
+    assert error(fast) <= 4 * max(error(plain), torch.finfo(torch.bfloat16).eps), (error(fast), error(plain))
 
 
 def test_the_kernels_save_what_the_tensor_ops_save(spy):
-    """Training memory: the storages autograd keeps for the backward are the same size with and without the kernels
-    (the peak-memory rows of bench_overhead are measured with tensor ops)."""
+    """Training memory: the storages autograd keeps for the backward are no larger with the kernels than without
+    (the peak-memory rows of bench_overhead are measured with tensor ops); the residual's op saves only its inputs."""
     model = variant_model(**dict(TC, delta_embed_expand="conv"), **NATIVE).train()
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
 
@@ -499,8 +595,8 @@ def test_the_kernels_save_what_the_tensor_ops_save(spy):
 
     with eager(model):
         plain = saved_bytes()
-    assert saved_bytes() == plain
-    assert spy.calls["delta_update_forward"] > 0 and spy.calls["tc_read_forward"] > 0
+    assert saved_bytes() <= plain
+    assert spy.calls["residual_forward"] > 0 and spy.calls["tc_read_forward"] > 0
 
 
 GENERATION_VARIANTS = {
@@ -667,22 +763,21 @@ def test_a_model_loaded_as_hub_custom_code_runs_the_native_kernels(spy, tmp_path
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
     model(ids, labels=ids).loss.backward()
     assert spy.calls == {
-        "delta_update_forward": len(residuals),
-        "delta_update_backward": len(residuals),
+        "residual_forward": len(residuals),
         "tc_read_forward": len(reads),
         "tc_read_backward": len(reads),
     }
 
 
 def test_native_is_the_cpu_kernels_and_an_error_on_another_device(kernels):
-    """What "native" resolves to: the extension's update and read (forward and backward) and the inference step;
-    no whole-residual op with autograd and no delta rule (DeltaNet runs its torch forms). On a GPU it is an error
+    """What "native" resolves to: the extension's whole-residual op (with autograd), update and read (forward and
+    backward) and the inference step; no delta rule (DeltaNet runs its torch forms). On a GPU it is an error
     that says what to use; on the meta device (shapes only) the tensor ops."""
     chosen = backends.kernels_for("native", "cpu")
     update, read = chosen.delta_update, chosen.tc_read
     assert (update.forward, update.backward) == (kernels.delta_update_forward, kernels.delta_update_backward)
     assert (read.forward, read.backward) == (kernels.tc_read_forward, kernels.tc_read_backward)
-    assert chosen.residual_step is not None and chosen.residual is None and chosen.delta_rule is None
+    assert chosen.residual_step is not None and chosen.residual is not None and chosen.delta_rule is None
     with pytest.raises(DeltaImplementationUnavailable, match=r"runs CPU kernels.*'cuda'.*'auto' or 'triton'"):
         backends.kernels_for("native", "cuda")
     assert backends.kernels_for("native", "meta") == TENSOR_OPS
