@@ -49,6 +49,7 @@ setup(
         "dev": [
             "ninja>=1.11",  # tests/ops/test_native_kernels.py builds the native kernels
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the README's test command runs the suite on two workers
             "hypothesis>=6.100",
             "ruff>=0.6",
             "scipy>=1.10",  # the studies' confidence intervals (studies/bench_pretrain.py, bench_finetune.py)

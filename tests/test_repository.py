@@ -80,10 +80,11 @@ def test_the_readme_is_a_short_front_door_that_starts_with_set_up_demo_and_tests
     assert len(first_block) == 2, first_block
     demo, tests = (line.split("#")[0].strip() for line in first_block)
     assert demo.startswith("pip install") and demo.endswith("python examples/demo.py"), demo
-    assert tests.startswith("pip install") and tests.endswith("python -m pytest"), tests
+    command = "python -m pytest -n 2 --dist loadfile"  # two workers (pytest-xdist), each test file on one
+    assert tests.startswith("pip install") and tests.endswith(command), tests
     # the main job installs what it needs (tests/integrations/test_workflow_demo.py runs it without the dev extra)
     assert "[dev]" not in demo and '".[dev]"' in tests
-    assert "python -m pytest" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
 BLOCKS = {"modeling_delta_gpt.py": "DeltaGPTBlock", "modeling_delta_llama.py": "DeltaLlamaDecoderLayer"}

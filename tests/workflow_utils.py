@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +35,14 @@ def tiny_gpt2_dir(path: Path, seed: int = 0, dropout: float = 0.1) -> Path:
     GPT2LMHeadModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now: for a launcher that would otherwise take its fixed default (accelerate's
+    29500), so that two launches at once (parallel test workers) never meet on one port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load_example(name: str) -> ModuleType:

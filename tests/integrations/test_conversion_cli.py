@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 import ddl_hf
-from ddl_hf import cli
+import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -125,6 +125,7 @@ def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
         "AutoModelForCausalLM",
         "AutoModelForSequenceClassification",
         "AutoModelForTokenClassification",
+        "AutoModelForQuestionAnswering",
     }
     for name in CUSTOM_CODE:  # the shipped Hub code is the code of this checkout
         assert (converted_dir / name).read_text() == (REPO_ROOT / name).read_text()

@@ -28,7 +28,7 @@ from test_delta_llama import FAMILIES, build_source
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
-from ddl_hf import cli
+import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -129,6 +129,9 @@ def test_output_is_a_complete_hub_repository(family, converted, source_dirs):
         "AutoConfig": "configuration_delta_llama.DeltaLlamaConfig",
         "AutoModel": "modeling_delta_llama.DeltaLlamaModel",
         "AutoModelForCausalLM": "modeling_delta_llama.DeltaLlamaForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_delta_llama.DeltaLlamaForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_delta_llama.DeltaLlamaForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_delta_llama.DeltaLlamaForQuestionAnswering",
     }
     for name in CUSTOM_CODE:  # the shipped Hub code is the code of this checkout
         assert (out / name).read_text() == (REPO_ROOT / name).read_text(), name

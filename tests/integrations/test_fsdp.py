@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -19,6 +18,7 @@ from accelerate.utils import DistributedType
 from builders import CLIENT_VARIANTS, delta_model
 from fsdp_worker import VARIANTS, batches, build, make_optimizer, step_loss
 from transformers import AutoModelForCausalLM
+from workflow_utils import free_port
 
 import ddl_hf
 from ddl_hf.distributed import block_classes, check_launch, fully_shard_model
@@ -39,13 +39,12 @@ def torchrun(out: Path, *worker_args: str, nodes: int = 1, accelerate_config: st
     if accelerate_config:
         config = ["--config_file", str(ROOT / "examples" / "fsdp2" / accelerate_config)]
         launch = [sys.executable, "-m", "accelerate.commands.launch", *config, "--num_processes", "2"]
+        launch += ["--main_process_port", str(free_port())]
         commands = [[*launch, "--mixed_precision", "no", *worker, "--engine", "accelerate"]]
     elif nodes == 1:
         commands = [[*run, "--standalone", "--nproc_per_node", "2", *worker]]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         run_id = f"ddl-hf-test-{uuid.uuid4().hex}"  # two runs on one machine never join each other's rendezvous
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
         commands = [[*run, "--nnodes", str(nodes), "--nproc_per_node", "1", *rendezvous, *worker]] * nodes

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from workflow_utils import ROOT, tiny_gpt2_dir
+from workflow_utils import ROOT, free_port, tiny_gpt2_dir
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
@@ -28,7 +28,8 @@ def launch(launcher: str, tmp_path, *extra: str) -> subprocess.CompletedProcess:
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     script = [str(ROOT / "examples" / "multiprocess_train.py"), "--base", str(base), "--output-dir"]
     options = ["--steps", "3", "--batch-size", "2", "--block-size", "16", *extra]
-    command = [*LAUNCHERS[launcher], *script, str(tmp_path / "ddp"), *options]
+    port = ["--main_process_port", str(free_port())] if launcher.startswith("accelerate") else []
+    command = [*LAUNCHERS[launcher], *port, *script, str(tmp_path / "ddp"), *options]
     return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
 
 
