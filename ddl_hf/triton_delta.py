@@ -917,10 +917,13 @@ def _(grad, x, weight, read, past, same_document):
 
 def _temporal_setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(output[1])  # the window: inputs kept for the next step, as `x.detach()` would be
+    ctx.set_materialize_grads(False)  # no tensor of zeros for the window's gradient (a launch per read)
     ctx.save_for_backward(*inputs[:5])
 
 
 def _temporal_backward(ctx, grad, _grad_window, backward_op):
+    if grad is None:  # the read was not used
+        return None, None, None, None, None, None
     x, weight, read, past, same_document = ctx.saved_tensors
     d_x, d_weights = backward_op(grad, x, weight, read, past, same_document)
     d_weight, d_read = d_weights.to(weight.dtype).split([weight.numel(), d_weights.numel() - weight.numel()])

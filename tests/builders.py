@@ -1,4 +1,5 @@
-"""The one place that builds tiny GPT-2 and DeltaGPT configs and models for the tests (no downloads).
+"""The one place that builds tiny GPT-2 / DeltaGPT and Llama-family / DeltaLlama configs and models for the tests
+(no downloads).
 
 One GPT-2 config builder and one DeltaGPT config builder; every test size is either keyword overrides at the call
 site or one of the named presets below, passed positionally: `delta_config(DELTA_NET, delta_net_rule="write_only")`.
@@ -14,7 +15,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 import ddl_hf
 
@@ -201,3 +211,57 @@ def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=end, eos_token=end, pad_token=end, unk_token="[UNK]"
     )
+
+
+# ---- DeltaLlama: tiny Llama-family sources (transformers' own classes) and their conversions ----------------------
+
+#: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA), eager-equivalent sdpa on CPU.
+LLAMA_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+#: Each family with what makes it differ: RoPE scaling (Llama), a sliding window shorter than the test sequences
+#: (Mistral everywhere, Qwen2/Qwen3 on their second layer), attention biases (Qwen2), QK-norm (Qwen3, built in).
+LLAMA_FAMILIES = {
+    "llama": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "mistral": (MistralConfig, dict(sliding_window=5)),
+    "qwen2": (Qwen2Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3": (Qwen3Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+}
+
+
+def build_source(family: str, seed: int = 0, **overrides):
+    """A tiny random model of `family`, built by transformers' own class (the independent reference); `overrides`
+    replace fields of LLAMA_TINY (e.g. a tokenizer's vocabulary)."""
+    config_class, extra = LLAMA_FAMILIES[family]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config_class(**{**LLAMA_TINY, **extra, **overrides})).eval()
+
+
+def to_delta(source, **overrides) -> ddl_hf.DeltaLlamaForCausalLM:
+    """The source's weights in a DeltaLlamaForCausalLM (the Delta parameters, which the source lacks, start exact)."""
+    return ddl_hf.convert_llama(source, **overrides).eval()
+
+
+def open_llama_gates(model: ddl_hf.DeltaLlamaForCausalLM, seed: int = 1) -> ddl_hf.DeltaLlamaForCausalLM:
+    """Random gate weights and openings, so beta differs per token and every Delta term matters."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for residual in model.delta_residuals().values():
+            weight = residual.gate_output.weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.5)
+            residual.beta_open.fill_(0.8)
+    return model
+
+
+def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -50,8 +50,7 @@ def build(variant: str) -> torch.nn.Module:
     from the unsharded one by the float rounding of its sums, and a run from weights 1e-7 apart stays within 1e-5
     of it over the 10 steps (measured), so the comparison is of that rounding, not of chaos."""
     if variant.startswith("llama"):
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))  # test_delta_llama's Llama builders
-        from test_delta_llama import build_source
+        from builders import build_source  # tests/, this script's folder
 
         source = build_source("qwen3", vocab_size=VOCAB)
         model = ddl_hf.convert_llama(source, delta_value_channels=4, delta_beta_init=0.5)

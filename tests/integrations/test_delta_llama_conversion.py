@@ -2,7 +2,7 @@
 job as for GPT-2, the family picked from the source's config.
 
 Sources are transformers' own `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM`
-of the tiny random configs of `test_delta_llama` (RoPE scaling, sliding windows, attention biases, QK-norm), with a
+of the tiny random configs of `builders` (RoPE scaling, sliding windows, attention biases, QK-norm), with a
 vocabulary of 257 so that the genuine byte-level GPT-2 tokenizer of `gpt2_fixtures` is their tokenizer.
 """
 
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import LLAMA_FAMILIES as FAMILIES
+from builders import build_source
 from gpt2_fixtures import byte_tokenizer, text_ids
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from test_conversion_cli import _partial_save_then, assert_refused
-from test_delta_llama import FAMILIES, build_source
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EOS = 256  # the byte tokenizer's <|endoftext|>
-#: test_delta_llama's TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
+#: builders' LLAMA_TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
 SIZE = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 CUSTOM_CODE = (

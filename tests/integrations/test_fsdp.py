@@ -211,7 +211,7 @@ def test_conversion_on_a_non_main_rank_leaves_no_meta_parameters(second_rank_of_
     broadcast; two meta parameters share data pointer 0, which accelerate's optimizer mapping confuses (the Delta
     parameters of every rank but the first trained wrongly). Conversion gives them storage and their init."""
     if family == "llama":
-        from test_delta_llama import build_source
+        from builders import build_source
 
         model = ddl_hf.convert_llama(build_source("qwen3", vocab_size=61), delta_value_channels=4)
     else:

@@ -23,10 +23,10 @@ from pathlib import Path
 import bitsandbytes as bnb
 import pytest
 import torch
-from builders import delta_model, gpt2_model
+from builders import build_source, delta_model, gpt2_model, random_ids, to_delta
+from builders import open_llama_gates as open_gates
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from peft.tuners.lora import LoraLayer
-from test_delta_llama import build_source, open_gates, random_ids, to_delta
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from workflow_utils import load_example, tiny_gpt2_dir
 

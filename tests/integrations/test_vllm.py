@@ -40,9 +40,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import BYTE_LEVEL, delta_model, gpt2_model, scramble_delta_weights
+from builders import BYTE_LEVEL, build_source, delta_model, gpt2_model, scramble_delta_weights
 from gpt2_fixtures import EOS, byte_tokenizer
-from test_delta_llama import build_source
 from transformers import PreTrainedModel
 
 import ddl_hf

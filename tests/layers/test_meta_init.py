@@ -9,15 +9,15 @@ import copy
 import pytest
 import torch
 from builders import CLIENT_VARIANTS, delta_config
-from test_delta_llama import FAMILIES
-from test_delta_llama import TINY as TINY_LLAMA
+from builders import LLAMA_FAMILIES as FAMILIES
+from builders import LLAMA_TINY as TINY_LLAMA
 from transformers.utils import logging as hf_logging
 
 import ddl_hf
 
 
 def llama_config(family: str, **overrides) -> ddl_hf.DeltaLlamaConfig:
-    """test_delta_llama's tiny model of `family` (its sliding windows, biases, QK-norm) as a DeltaLlamaConfig."""
+    """builders' tiny Llama-family model of `family` (its sliding windows, biases, QK-norm) as a DeltaLlamaConfig."""
     _, extra = FAMILIES[family]
     return ddl_hf.DeltaLlamaConfig(source_model_type=family, **TINY_LLAMA, **extra, **overrides)
 

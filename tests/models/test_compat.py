@@ -15,8 +15,17 @@ import warnings
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, VOCAB, delta_model, gpt2_model, scramble_delta_weights
-from test_delta_llama import build_source, open_gates, random_ids, to_delta
+from builders import (
+    CLIENT_VARIANTS,
+    VOCAB,
+    build_source,
+    delta_model,
+    gpt2_model,
+    random_ids,
+    scramble_delta_weights,
+    to_delta,
+)
+from builders import open_llama_gates as open_gates
 from transformers import DynamicCache
 
 import ddl_hf

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import delta_model, gpt2_model
-from test_delta_llama import build_source, to_delta
+from builders import build_source, delta_model, gpt2_model, to_delta
 from transformers import Trainer, TrainingArguments
 
 VARIANTS = {

@@ -8,71 +8,21 @@ import sys
 
 import pytest
 import torch
+from builders import LLAMA_FAMILIES as FAMILIES
+from builders import LLAMA_TINY as TINY
+from builders import VOCAB, build_source, random_ids, to_delta
+from builders import open_llama_gates as open_gates
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
     Qwen2Config,
-    Qwen3Config,
 )
 
 import ddl_hf
 from ddl_hf import ConversionError, DeltaLlamaConfig, DeltaLlamaForCausalLM
 from ddl_hf.delta_compat import cache_of
 
-VOCAB = 97
 PAD = 0
-#: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA), eager-equivalent sdpa on CPU.
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-#: Each family with what makes it differ: RoPE scaling (Llama), a sliding window shorter than the test sequences
-#: (Mistral everywhere, Qwen2/Qwen3 on their second layer), attention biases (Qwen2), QK-norm (Qwen3, built in).
-FAMILIES = {
-    "llama": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
-    "mistral": (MistralConfig, dict(sliding_window=5)),
-    "qwen2": (Qwen2Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen3": (Qwen3Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-}
-
-
-def build_source(family: str, seed: int = 0, **overrides):
-    """A tiny random model of `family`, built by transformers' own class (the independent reference); `overrides`
-    replace fields of TINY (e.g. a tokenizer's vocabulary)."""
-    config_class, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config_class(**{**TINY, **extra, **overrides})).eval()
-
-
-def to_delta(source, **overrides) -> DeltaLlamaForCausalLM:
-    """The source's weights in a DeltaLlamaForCausalLM (the Delta parameters, which the source lacks, start exact)."""
-    return ddl_hf.convert_llama(source, **overrides).eval()
-
-
-def open_gates(model: DeltaLlamaForCausalLM, seed: int = 1) -> DeltaLlamaForCausalLM:
-    """Random gate weights and openings, so beta differs per token and every Delta term matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for residual in model.delta_residuals().values():
-            weight = residual.gate_output.weight
-            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.5)
-            residual.beta_open.fill_(0.8)
-    return model
-
-
-def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("value_channels", [1, 4])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import delta_model
-from test_delta_llama import FAMILIES, build_source, random_ids, to_delta
+from builders import LLAMA_FAMILIES as FAMILIES
+from builders import build_source, delta_model, random_ids, to_delta
 
 from ddl_hf.delta_compat import CACHE_ARG
 

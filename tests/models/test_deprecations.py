@@ -16,13 +16,16 @@ from builders import (
     BYTE_LEVEL,
     CLIENT_VARIANTS,
     VOCAB,
+    build_source,
     delta_model,
     enable_activation_checkpointing,
     gpt2_model,
+    random_ids,
     scramble_delta_weights,
 )
+from builders import LLAMA_FAMILIES as FAMILIES
+from builders import open_llama_gates as open_gates
 from gpt2_fixtures import byte_tokenizer
-from test_delta_llama import FAMILIES, build_source, open_gates, random_ids
 from transformers import AutoModelForCausalLM, StaticCache, Trainer, TrainingArguments, pipeline
 from transformers.utils import logging as hf_logging
 

@@ -199,7 +199,7 @@ def test_expanded_hidden_states_retain_a_gradient_that_is_the_states_along_the_r
     if model_kind == "gpt":
         model = delta_model(delta_value_channels=3, delta_mode="paper")
     else:
-        from test_delta_llama import build_source
+        from builders import build_source
 
         model = ddl_hf.convert_llama(build_source("qwen3", vocab_size=VOCAB), delta_value_channels=3)
     open_gates(model)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from builders import CLIENT_VARIANTS, VOCAB, delta_model, gpt2_model
-from test_delta_llama import TINY
+from builders import LLAMA_TINY as TINY
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BATCH, LENGTH = 2, 8
 
-LLAMA = TINY  # test_delta_llama's tiny Llama: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA)
+LLAMA = TINY  # builders' tiny Llama: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA)
 
 
 def llama_model() -> LlamaForCausalLM:

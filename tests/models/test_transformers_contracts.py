@@ -9,8 +9,7 @@ import warnings
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, delta_model, gpt2_model
-from test_delta_llama import build_source, to_delta
+from builders import CLIENT_VARIANTS, build_source, delta_model, gpt2_model, to_delta
 
 from ddl_hf.delta_compat import CACHE_ARG, LEGACY_CACHE_ARG
 

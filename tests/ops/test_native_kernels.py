@@ -23,10 +23,9 @@ import sys
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, VOCAB, delta_config, delta_model, scramble_delta_weights
+from builders import CLIENT_VARIANTS, VOCAB, build_source, delta_config, delta_model, scramble_delta_weights, to_delta
+from builders import open_llama_gates as llama_open_gates
 from rounding import ROUNDING_FACTOR
-from test_delta_llama import build_source, to_delta
-from test_delta_llama import open_gates as llama_open_gates
 from test_delta_net_clients import packed_row
 from test_delta_residual import (
     VALUE_FIELDS,

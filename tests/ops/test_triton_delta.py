@@ -291,7 +291,7 @@ print("RESULT", json.dumps(out))
 def in_tritons_interpreter(script: str, timeout: int = 600) -> dict:
     """Run `script` in a fresh interpreter with `TRITON_INTERPRET=1`, able to import tests/ (passed as argv[1]);
     returns what it printed after "RESULT "."""
-    paths = [ROOT, ROOT / "tests", ROOT / "tests" / "models"]  # builders; test_delta_llama's DeltaLlama builders
+    paths = [ROOT, ROOT / "tests"]  # builders
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(map(str, paths))}
     done = subprocess.run(
         [sys.executable, "-c", script, str(ROOT / "tests")],
@@ -376,7 +376,9 @@ MODELS_SCRIPT = """
 import copy, json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from builders import CLIENT_VARIANTS, delta_model, scramble_delta_weights
-from test_delta_llama import build_source, to_delta, open_gates as llama_open_gates
+from builders import build_source
+from builders import to_delta
+from builders import open_llama_gates as llama_open_gates
 
 VARIANTS = {name: CLIENT_VARIANTS[name] for name in
             ("additive-dv1", "paper-dv1", "additive-dv4", "paper-dv4", "tc-dv1", "tc-ec-paper-dv4", "cc-dv4",
