@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.utils import logging as hf_logging
+
+from ddl_hf.delta_model import RENAMED_WEIGHTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_state, provenance, write_results
@@ -31,10 +35,19 @@ from bench_overhead import SHAPES, build_pair, generate_fn, interleaved, train_s
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def old_name(name: str) -> str:
+    """A parameter's name before the reads became modules of the block (`delta_model.RENAMED_WEIGHTS`, backwards):
+    the names every version of the code loads (later versions rename them on load)."""
+    for old, new in RENAMED_WEIGHTS:
+        target = new.replace(".", r"\.")
+        if re.search(target + "$", name):
+            return re.sub(target + "$", old.replace("(?![_.])", ""), name)
+    return name
+
+
 def other_version(code: Path, model: torch.nn.Module) -> torch.nn.Module:
     """`model` rebuilt with the classes of the Hub files in `code`, with the same config and weights. The weights go
-    through a saved directory: transformers writes them under the names every version of the code loads (renamed
-    parameters are saved under their old names, `delta_model.RENAMED_WEIGHTS`)."""
+    through a saved directory, under the names every version of the code loads (`old_name`)."""
     config_class = get_class_from_dynamic_module("configuration_delta_gpt.DeltaGPTConfig", str(code))
     model_class = get_class_from_dynamic_module("modeling_delta_gpt.DeltaGPTForCausalLM", str(code))
     fields = {k: v for k, v in model.config.to_dict().items() if k not in ("auto_map", "architectures")}
@@ -42,6 +55,8 @@ def other_version(code: Path, model: torch.nn.Module) -> torch.nn.Module:
     config._attn_implementation = model.config._attn_implementation
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
+        weights = Path(directory) / "model.safetensors"
+        save_file({old_name(k): v for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
         return model_class.from_pretrained(directory, config=config)
 
 
