@@ -7,7 +7,8 @@ gate and value projections, CC's folded read, EC's expansion, the linear read, A
 Python around them) is the difference that remains. The profiler's own cost per operator inflates every total a
 little (both models alike); the shares, not the milliseconds, are what to read. Each variant runs the tensor ops
 (`delta_implementation="eager"`); where the optional native kernels build (`ddl_hf.native`), every variant is
-profiled again with `delta_implementation="native"` (the native Delta update and TC read).
+profiled again with `delta_implementation="native"` (the native whole-residual op, counted as the Delta update, and
+TC read).
 
     python benchmarks/profile_variant_step.py            # small shape (L4 D256 T256 B8), 9 profiled steps each
     python benchmarks/profile_variant_step.py --quick    # tiny shape, 1 step
@@ -37,9 +38,10 @@ VARIANTS = {
     "EC": dict(delta_embed_expand="conv"),
     "TC+EC": dict(delta_state_read="temporal_conv", delta_embed_expand="conv"),
 }
-# Named parts: the profiler events of the Delta math's autograd Functions (forward, then backward).
+# Named parts: the profiler events of the Delta math's autograd Functions (forward, then backward). With the native
+# kernels the Delta update is the whole residual's op (`_Residual`: gate and value too).
 PARTS = {
-    "Delta update": ("_FusedDeltaUpdate", "_FusedDeltaUpdateBackward"),
+    "Delta update": ("_FusedDeltaUpdate", "_FusedDeltaUpdateBackward", "_Residual", "_ResidualBackward"),
     "TC read": ("_TemporalConvRead", "_TemporalConvReadBackward"),
 }
 
