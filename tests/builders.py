@@ -177,6 +177,21 @@ def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
                     module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))
 
 
+def variant_model(seed: int = 0, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
+    """A DeltaGPT of the variant `overrides` with open gates and random convolution weights: every part of the
+    variant acts on the output."""
+    from ddl_hf.delta_reads import DeltaEmbedExpand, DeltaStateConv
+
+    model = delta_model(seed=seed, **overrides)
+    open_gates(model, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (DeltaStateConv, DeltaEmbedExpand)):
+                module.weight.copy_(0.5 * torch.randn(module.weight.shape, generator=generator))
+    return model
+
+
 def scramble_delta_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """`open_gates`, and random read vectors and convolutions (TC / CC / EC, DeltaNet's short conv), so that every
     Delta parameter moves the logits: a tool that drops or misplaces one of them changes the output."""
@@ -265,3 +280,29 @@ def open_llama_gates(model: ddl_hf.DeltaLlamaForCausalLM, seed: int = 1) -> ddl_
 
 def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def llama_model() -> torch.nn.Module:
+    """transformers' own LlamaForCausalLM of LLAMA_TINY (seed 0)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**LLAMA_TINY)).eval()
+
+
+def delta_llama(**overrides) -> ddl_hf.DeltaLlamaForCausalLM:
+    """`llama_model()` converted (the Delta parameters start exact)."""
+    return ddl_hf.convert_llama(llama_model(), **overrides).eval()
+
+
+def adapted_modules(model: torch.nn.Module, peft_config) -> list[str]:
+    """Names (relative to the base model) of the modules that peft wrapped with an adapter."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, peft_config)
+    prefix = "base_model.model."
+    return sorted(
+        name.removeprefix(prefix)
+        for name, module in peft_model.named_modules()
+        if hasattr(module, "base_layer") and name.startswith(prefix)
+    )

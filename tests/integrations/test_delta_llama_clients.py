@@ -15,10 +15,9 @@ import pytest
 import test_delta_llama
 import torch
 from builders import LLAMA_FAMILIES as FAMILIES
-from builders import enable_activation_checkpointing
+from builders import adapted_modules, enable_activation_checkpointing
 from gpt2_fixtures import EOS, byte_tokenizer
 from peft import IA3Config, LoraConfig, TaskType, get_peft_model
-from test_peft_defaults import adapted_modules
 from transformers import pipeline
 
 import ddl_hf

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig, TaskType, get_peft_model
+from builders import adapted_modules
+from peft import IA3Config, LoraConfig, TaskType
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ddl_hf
 
 SHAPE = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
-
-
-def adapted_modules(model: torch.nn.Module, peft_config) -> list[str]:
-    """Names (relative to the base model) of the modules that peft wrapped with an adapter."""
-    peft_model = get_peft_model(model, peft_config)
-    prefix = "base_model.model."
-    return sorted(
-        name.removeprefix(prefix)
-        for name, module in peft_model.named_modules()
-        if hasattr(module, "base_layer") and name.startswith(prefix)
-    )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # peft's fan_in_fan_out note for GPT-2's Conv1D

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import VOCAB, delta_model, open_gates
+from builders import VOCAB, variant_model
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_argument, cache_of
@@ -17,7 +17,7 @@ from ddl_hf.delta_ops import (
     temporal_conv,
     temporal_conv_read,
 )
-from ddl_hf.delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaStateCache, DeltaStateConv
+from ddl_hf.delta_reads import DeltaConvContext, DeltaStateCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,18 +29,6 @@ TEMPORAL = [
     dict(delta_value_channels=2, delta_state_read="temporal_conv", delta_erase=False, token_mixer="delta_net"),
     dict(delta_value_channels=1, delta_state_read="temporal_conv", delta_value="sigmoid", delta_mode="paper"),
 ]
-
-
-def variant_model(seed: int = 0, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
-    """Open gates and random convolution weights: every part of the variant acts on the output."""
-    model = delta_model(seed=seed, **overrides)
-    open_gates(model, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (DeltaStateConv, DeltaEmbedExpand)):
-                module.weight.copy_(0.5 * torch.randn(module.weight.shape, generator=generator))
-    return model
 
 
 def test_temporal_conv_matches_a_plain_loop() -> None:

@@ -17,9 +17,8 @@ import json
 
 import pytest
 import torch
-from builders import VOCAB, build_source, delta_model, to_delta
+from builders import VOCAB, build_source, delta_model, to_delta, variant_model
 from rounding import ROUNDING_FACTOR, float64_logits_and_bound
-from test_variants import variant_model
 
 import ddl_hf.kernels as backends
 import ddl_hf.native as native

@@ -22,8 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, delta_model, gpt2_model
-from test_no_host_sync import delta_llama, llama_model
+from builders import CLIENT_VARIANTS, delta_llama, delta_model, gpt2_model, llama_model
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 

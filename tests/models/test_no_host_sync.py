@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, VOCAB, delta_model, gpt2_model
-from builders import LLAMA_TINY as TINY
+from builders import CLIENT_VARIANTS, VOCAB, delta_llama, delta_model, gpt2_model, llama_model
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -29,25 +28,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.utils._pytree import tree_map_only
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import ddl_hf
 from ddl_hf.delta_compat import CACHE_ARG, cache_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BATCH, LENGTH = 2, 8
-
-LLAMA = TINY  # builders' tiny Llama: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA)
-
-
-def llama_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
-
-
-def delta_llama(**overrides) -> ddl_hf.DeltaLlamaForCausalLM:
-    return ddl_hf.convert_llama(llama_model(), **overrides).eval()
 
 
 #: Each model by id: every DeltaGPT client variant (both modes at d_v 1 and 4, DeltaNet, TC, TC + EC, CC, the

@@ -23,7 +23,16 @@ import sys
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, VOCAB, build_source, delta_config, delta_model, scramble_delta_weights, to_delta
+from builders import (
+    CLIENT_VARIANTS,
+    VOCAB,
+    build_source,
+    delta_config,
+    delta_model,
+    scramble_delta_weights,
+    to_delta,
+    variant_model,
+)
 from builders import open_llama_gates as llama_open_gates
 from rounding import ROUNDING_FACTOR
 from test_delta_net_clients import packed_row
@@ -38,7 +47,6 @@ from test_delta_residual import (
     step,
 )
 from test_fused_delta import EPS, dense_reference, make_inputs
-from test_variants import variant_model
 
 import ddl_hf.kernels as backends
 import ddl_hf.native as native
