@@ -435,6 +435,17 @@ class ResidualWeights(NamedTuple):
     additive: bool
     erase: bool
 
+    def value_kind(self, x: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The value's kind as a whole-residual kernel takes it (`VALUE_*`), and the tensor it reads besides c: the
+        read x for the sigmoid value, else None."""
+        if self.value_weight is None:
+            return VALUE_CONSTANT, None
+        return (VALUE_LINEAR, None) if self.value_scale is None else (VALUE_SIGMOID, x)
+
+
+#: The value's kinds (`ResidualWeights.value_kind`): `W_v c + b_v`, `scale sigmoid(W_v x + b_v)`, a constant.
+VALUE_LINEAR, VALUE_SIGMOID, VALUE_CONSTANT = 0, 1, 2
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The reads of the expanded state used by the paper's variants (TC, CC, EC; docs/variants.md): short depthwise
@@ -882,6 +893,9 @@ def _warn_no_gpu_kernel() -> None:
 
 __all__ = [
     "DELTA_IMPLEMENTATIONS",
+    "VALUE_CONSTANT",
+    "VALUE_LINEAR",
+    "VALUE_SIGMOID",
     "DeltaKernel",
     "DeltaKernels",
     "ResidualWeights",

@@ -25,8 +25,6 @@ from torch.nn.modules import module as _torch_module
 
 from .delta_ops import DeltaKernel, DeltaKernels, ResidualWeights
 
-#: The value's kinds as the residual op takes them (triton_delta's numbering).
-VALUE_LINEAR, VALUE_SIGMOID, VALUE_CONSTANT = 0, 1, 2
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 _SOURCE = Path(__file__).parent / "csrc" / "training.cpp"
@@ -158,12 +156,7 @@ def _residual(
     elif state.dtype != torch.float32 or c.dtype not in _HALF_OR_FLOAT or h.dtype not in _HALF_OR_FLOAT:
         return None
     additive = weights.additive
-    if weights.value_weight is None:
-        mode, read = VALUE_CONSTANT, None
-    elif weights.value_scale is None:
-        mode, read = VALUE_LINEAR, None
-    else:
-        mode, read = VALUE_SIGMOID, x
+    mode, read = weights.value_kind(x)
     return _Residual.apply(
         state, read, c, h, weights.gate_weight, weights.gate_bias, weights.beta_open, weights.value_weight,
         weights.value_bias, mode, 1.0 if weights.value_scale is None else weights.value_scale,

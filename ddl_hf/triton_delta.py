@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_ops import ResidualWeights
+from .delta_ops import VALUE_CONSTANT, VALUE_SIGMOID, ResidualWeights
 
-VALUE_LINEAR, VALUE_SIGMOID, VALUE_CONSTANT = 0, 1, 2
 BLOCK_TOKENS = 16  # tokens a program takes: the backward's partial weight gradients are one row per program
 BLOCK_HIDDEN = 128  # the hidden dim is walked in chunks of this many (a power of two)
 
@@ -590,12 +589,7 @@ def residual(
     state: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, weights: ResidualWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`DeltaResidual`'s `(X', beta)` as one `ddl_hf::delta_residual` call (training and inference alike)."""
-    if weights.value_weight is None:
-        mode, read = VALUE_CONSTANT, None
-    elif weights.value_scale is None:
-        mode, read = VALUE_LINEAR, None
-    else:
-        mode, read = VALUE_SIGMOID, x
+    mode, read = weights.value_kind(x)
     return _call(
         delta_residual, _RESIDUAL,
         state, read, c, h, weights.gate_weight, weights.gate_bias, weights.beta_open, weights.value_weight,
