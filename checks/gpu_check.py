@@ -1,34 +1,27 @@
 """One-command cost report of DeltaGPT / DeltaLlama on an accelerator: time, kernel launches and memory against
-GPT-2 / Llama.
+GPT-2 / Llama. Correctness and host synchronisation are tests: `python -m pytest -m gpu` on the GPU (tests/gpu).
 
     python checks/gpu_check.py                        # on the GPU; sized for under 8 minutes on one H100
     python checks/gpu_check.py --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
     python checks/gpu_check.py --sections triton      # one section
     TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --tiny --sections triton   # Triton's op, on the CPU
 
-Correctness and host synchronisation are tests now, not sections: `python -m pytest -m gpu` on the GPU (tests/gpu:
-float32 on the device against the CPU, bf16 autocast, cached against uncached `generate`, SDPA / eager / flash
-attention, the Triton op's and fla's bf16 training step against float32 "eager", fla's delta rule against the float64
-recurrence, and no synchronisation in a training or a decoding step under CUDA's sync debug mode).
+Models are built from their configs (random weights, the Delta model sharing every baseline weight), data from random
+token ids: nothing is downloaded, nothing imports `datasets`. Results: `checks/results/gpu_check.{json,md}` (or
+`--out DIR`) with command, commit, machine, device and versions. A failing section or row is recorded as an error.
 
-Everything is built inside the repository: models from their configs (random weights, the Delta model sharing every
-baseline weight), data from random token ids; nothing is downloaded, and nothing imports `datasets`. Results go to
-`checks/results/gpu_check.{json,md}` (or `--out DIR`) with their command, commit, machine, device and versions.
-Each section, and each of its rows, records an exception as an error: one failure loses no other result.
+- profile: one eager training step of GPT-2 and two Delta variants at the 124M shape under torch.profiler: wall time
+  beside the device's busy time, kernel launches, busy time by class (matmul, attention, other).
+- triton: each variant's eager training step with `delta_implementation="eager"` (the tensor ops) and `"triton"`
+  (one Triton op per Delta residual) beside its baseline, and launches per step of both; a DeltaNet row adds fla's
+  delta rule where installed. Where Triton cannot run (the CPU), "eager" stands in and the report says so.
+- cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio beside the baseline
+  timed against itself (the A/A floor): training tokens/s and peak memory at the 124M shape (bf16 autocast, eager
+  and `torch.compile`), batch-1 and batch-32 decoding (eager, and compiled with the static cache). Rows past the
+  time budget (`--budget-s`) are skipped and say so.
 
-- profile: one eager training step of GPT-2 and of two Delta variants at the 124M shape under torch.profiler: wall
-  time beside the device's busy time, kernel launches, and busy time by class (matmul, attention, other).
-- triton: each Delta variant's eager training step at the 124M shape with `delta_implementation="eager"` (the tensor
-  ops) and `"triton"` (one Triton op per Delta residual, `ddl_hf.triton_delta`) beside its baseline, as the cost
-  section times it, and kernel launches per step of both; a DeltaNet row adds fla's delta rule (where installed).
-  Where Triton cannot run (the CPU), "eager" stands in and the report says so.
-- cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio next to the baseline
-  timed against itself (the A/A noise floor): training tokens/s and peak memory at the 124M shape (bf16 autocast,
-  eager and `torch.compile`), batch-1 and batch-32 decoding tokens/s (eager, and compiled with the static cache
-  where the variant has one). Rows that would run past the time budget (`--budget-s`) are skipped and say so.
-
-Delta models run `delta_implementation="auto"` (Triton's op on CUDA, the tensor ops on the CPU) except where a section
-says otherwise; every row records which implementation ran.
+Delta models run `delta_implementation="auto"` (Triton's op on CUDA, the tensor ops on the CPU) unless a section says
+otherwise; every row records what ran.
 """
 
 from __future__ import annotations
