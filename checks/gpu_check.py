@@ -1,65 +1,48 @@
-"""One-command check of DeltaGPT / DeltaLlama on an accelerator: correctness, no host synchronisation, and cost.
+"""One-command cost report of DeltaGPT / DeltaLlama on an accelerator: time, kernel launches and memory against
+GPT-2 / Llama. Correctness and host synchronisation are tests: `python -m pytest -m gpu` on the GPU (tests/gpu).
 
     python checks/gpu_check.py                        # on the GPU; sized for under 8 minutes on one H100
     python checks/gpu_check.py --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
-    python checks/gpu_check.py --device cpu --tiny --compiled-variants   # without the compiled rows
+    python checks/gpu_check.py --sections triton      # one section
+    TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --tiny --sections triton   # Triton's op, on the CPU
 
-On 2 busy CPU cores the whole tiny run takes a few minutes, most of it dynamo compiling the compiled rows.
+Models are built from their configs (random weights, the Delta model sharing every baseline weight), data from random
+token ids: nothing is downloaded, nothing imports `datasets`. Results: `checks/results/gpu_check.{json,md}` (or
+`--out DIR`) with command, commit, machine, device and versions. A failing section or row is recorded as an error.
 
-Everything is built inside the repository: models from their configs (random weights, the Delta model sharing every
-baseline weight), data from random token ids; nothing is downloaded, and nothing imports `datasets`. Results go to
-`checks/results/gpu_check.{json,md}` (or `--out DIR`) with their command, commit, machine, device and versions.
+- profile: one eager training step of GPT-2 and two Delta variants at the 124M shape under torch.profiler: wall time
+  beside the device's busy time, kernel launches, busy time by class (matmul, attention, other).
+- triton: each variant's eager training step with `delta_implementation="eager"` (the tensor ops) and `"triton"`
+  (one Triton op per Delta residual) beside its baseline, and launches per step of both; a DeltaNet row adds fla's
+  delta rule where installed. Where Triton cannot run (the CPU), "eager" stands in and the report says so.
+- cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio beside the baseline
+  timed against itself (the A/A floor): training tokens/s and peak memory at the 124M shape (bf16 autocast, eager
+  and `torch.compile`), batch-1 and batch-32 decoding (eager, and compiled with the static cache). Rows past the
+  time budget (`--budget-s`) are skipped and say so.
 
-Sections (each check catches its own exception and is recorded as an error; one failure loses no other result):
-
-- correctness: float32 logits of every variant on the device against the same model on the CPU; bf16 autocast
-  against float32, bounded relative to the baseline's (GPT-2's / Llama's) own bf16 error; greedy `generate` with the
-  cache against without it; SDPA against eager attention, and flash attention where it is installed.
-- sync: a training step (forward + backward) and a cached decoding step under
-  `torch.cuda.set_sync_debug_mode("error")`, with GPT2LMHeadModel / LlamaForCausalLM as the controls (CUDA only).
-- fla: DeltaNet's delta rule through flash-linear-attention's kernels against the float64 recurrent reference, and a
-  DeltaNet model with `delta_implementation="triton"` (fla's rule) against the same model with `"eager"`: logits
-  and a training step (CUDA with fla installed).
-- profile: one eager training step of GPT-2 and of two Delta variants at the 124M shape under torch.profiler: wall
-  time beside the device's busy time, kernel launches, and busy time by class (matmul, attention, other).
-- triton: each Delta variant's eager training step at the 124M shape with `delta_implementation="eager"` (the tensor
-  ops) and `"triton"` (one Triton op per Delta residual, `ddl_hf.triton_delta`) beside its baseline, as the cost
-  section times it; the "triton" model's bf16-autocast loss and gradients against float32 "eager"; kernel launches
-  per step of both. Where Triton cannot run (the CPU), "eager" stands in and the report says so.
-- cost: Delta model against its baseline in one process, interleaved pairs (ABBA), each ratio next to the baseline
-  timed against itself (the A/A noise floor): training tokens/s and peak memory at the 124M shape (bf16 autocast,
-  eager and `torch.compile`), batch-1 and batch-32 decoding tokens/s (eager, and compiled with the static cache
-  where the variant has one). Rows that would run past the time budget (`--budget-s`) are skipped and say so.
-
-Delta models run `delta_implementation="auto"` (Triton's op on CUDA, the tensor ops on the CPU) except where a section
-says otherwise; the cost, profile and correctness rows record which implementation ran.
-
-    python checks/gpu_check.py --sections triton      # the Triton section alone
-    TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --tiny --sections triton   # its values, on the CPU
+Delta models run `delta_implementation="auto"` (Triton's op on CUDA, the tensor ops on the CPU) unless a section says
+otherwise; every row records what ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import importlib.metadata
-import inspect
 import math
 import re
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
-from transformers import utils as hf_utils
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ddl_hf
@@ -69,7 +52,7 @@ from bench_overhead import delta_implementation, live_bytes, peak_train_bytes
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
 
-# --- what is checked ---------------------------------------------------------------------------------------------
+# --- what is measured --------------------------------------------------------------------------------------------
 
 _COMMON = dict(delta_beta_init=0.5)  # a generic open gate: additive mode at beta 0 would be the baseline exactly
 #: name -> (baseline family, Delta fields). Every section runs every variant; the compiled cost rows a subset.
@@ -95,11 +78,9 @@ COMPILED_ROWS = (
     ("decode", "llama-additive-dv1"),
     ("train", "paper-dv4-tc"),
 )
-FLASH = (("flash_attention_2", "is_flash_attn_2_available"), ("flash_attention_3", "is_flash_attn_3_available"))
 
-# Shapes. check: correctness and sync (deep enough that errors accumulate); cost: GPT-2 small (124M).
+# Shapes: GPT-2 small (124M); Llama of the same depth and width.
 FULL = dict(
-    check=dict(n_layer=6, n_embd=384, n_head=6, vocab_size=8192, batch=2, seq=128, prompt=16, new_tokens=16),
     cost=dict(
         n_layer=12, n_embd=768, n_head=12, vocab_size=50257, llama_vocab_size=32000, batch=8, seq=1024, prompt=32
     ),
@@ -109,28 +90,12 @@ FULL = dict(
     decode_pairs=3,
 )
 TINY = dict(
-    check=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=2, seq=32, prompt=8, new_tokens=8),
     cost=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, llama_vocab_size=512, batch=4, seq=64, prompt=8),
     new_tokens=4,
     decode_batches=(1, 32),
     train_pairs=2,
     decode_pairs=1,
 )
-
-EPS_FP32 = torch.finfo(torch.float32).eps  # 2^-23
-EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2^-7
-FP32_HEADROOM = 8
-BF16_FACTOR = 4
-
-
-def fp32_bound(shape: dict) -> float:
-    """Bound on max|Δ logits| / max|logits| between two float32 evaluations that differ only in summation order:
-    a D-term dot product rounds to about sqrt(D)·eps, once per residual update (2 per layer), 8x headroom."""
-    return FP32_HEADROOM * EPS_FP32 * 2 * shape["n_layer"] * math.sqrt(shape["n_embd"])
-
-
-FP32_BOUND_TEXT = f"{FP32_HEADROOM}·ε₃₂·2L·√D (ε₃₂ = 2^-23, L layers, width D)"
-BF16_BOUND_TEXT = f"{BF16_FACTOR} × max(the baseline's own error, ε_bf16 = 2^-7)"
 
 # --- models ------------------------------------------------------------------------------------------------------
 
@@ -214,65 +179,22 @@ def triton_unavailable(device: torch.device) -> str | None:
 
 
 def running(model: PreTrainedModel, implementation: str, step: Callable[[], None]) -> Callable[[], None]:
-    """`step` with `model` set to `implementation` (per model, as `set_attn_implementation`): one model's weights
-    and optimizer stepped either way."""
+    """`step` with `model` running `implementation` (per model, as `set_attn_implementation`): one model's weights
+    and optimizer stepped either way. Switching costs the host ~0.1 ms a call, within the A/A floor of a step."""
 
     def run() -> None:
-        model.set_delta_implementation(implementation)
-        step()
+        with delta_implementation(model, implementation):
+            step()
 
     return run
-
-
-def cache_kwarg(model: torch.nn.Module, cache: object) -> dict:
-    """The cache under the name this transformers gives it (`cache` from 5.24, `past_key_values` before)."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
-
-
-def cache_out(outputs: object) -> object:
-    return outputs["cache"] if "cache" in outputs else outputs["past_key_values"]
 
 
 def random_ids(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b|, in float64."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-@contextlib.contextmanager
-def exact_fp32() -> Iterator[None]:
-    """IEEE float32 matmuls and convolutions on CUDA (no TF32), restored afterwards."""
-    targets = [t for t in (torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)) if t is not None]
-    if not all(hasattr(t, "fp32_precision") for t in targets):  # before torch 2.9: the legacy flags
-        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-        return
-    saved = [t.fp32_precision for t in targets]
-    for t in targets:
-        t.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        for t, value in zip(targets, saved):
-            t.fp32_precision = value
-
-
 def autocast(device: torch.device, enabled: bool = True) -> contextlib.AbstractContextManager:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def logits_of(model: torch.nn.Module, ids: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    with torch.no_grad(), autocast(ids.device, bf16):
-        return model(input_ids=ids).logits.float()
 
 
 def free(device: torch.device) -> None:
@@ -282,11 +204,8 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# --- recording ---------------------------------------------------------------------------------------------------
-
-
 def guarded(fn: Callable[[], dict]) -> dict:
-    """`fn()`'s record, or an error record with the exception: one failing check never loses the others."""
+    """`fn()`'s record, or an error record with the exception: one failing row never loses the others."""
     start = time.perf_counter()
     try:
         record = fn()
@@ -295,249 +214,6 @@ def guarded(fn: Callable[[], dict]) -> dict:
         record["traceback"] = traceback.format_exc(limit=-6)[-4000:]
     record["wall_s"] = round(time.perf_counter() - start, 3)
     return record
-
-
-def passed(ok: bool) -> str:
-    return "pass" if ok else "fail"
-
-
-def fp32_record(errors: dict, bound: float) -> dict:
-    """The Delta model against the float32 bound; the baseline's status says whether the bound itself holds here."""
-    return {
-        "status": passed(errors["delta"] <= bound),
-        "error": errors["delta"],
-        "baseline_error": errors["baseline"],
-        "baseline_status": passed(errors["baseline"] <= bound),
-        "bound": bound,
-    }
-
-
-# --- correctness -------------------------------------------------------------------------------------------------
-
-
-def check_models(
-    plan: dict, variants: list[str]
-) -> Iterator[tuple[str, str, Callable[[], tuple[PreTrainedModel, PreTrainedModel]]]]:
-    """(variant, family, builder of (baseline, Delta) on the CPU) for each of `variants`, at the check shape."""
-    for variant in variants:
-        family = VARIANTS[variant][0]
-
-        def build(variant: str = variant, family: str = family) -> tuple[PreTrainedModel, PreTrainedModel]:
-            baseline = build_baseline(family, plan["check"])
-            return baseline, build_delta(variant, baseline)
-
-        yield variant, family, build
-
-
-def correctness_row(variant: str, build: Callable, plan: dict, device: torch.device) -> dict:
-    """Every correctness check of one variant; each its own record."""
-    shape = plan["check"]
-    bound = fp32_bound(shape)
-    row: dict = {"variant": variant}
-    baseline, delta = build()
-    row["implementation"] = implementation_ran(delta, device)
-    ids = random_ids(delta.config.vocab_size, shape["batch"], shape["seq"], seed=2)
-
-    def device_vs_cpu() -> dict:
-        with exact_fp32():
-            cpu = {"delta": logits_of(delta, ids), "baseline": logits_of(baseline, ids)}
-            errors = {}
-            for name, model in (("delta", delta), ("baseline", baseline)):
-                errors[name] = rel_err(logits_of(copy.deepcopy(model).to(device), ids.to(device)), cpu[name])
-        return fp32_record(errors, bound)
-
-    row["device_vs_cpu_fp32"] = guarded(device_vs_cpu)
-    delta, baseline = delta.to(device), baseline.to(device)
-    ids = ids.to(device)
-
-    def bf16_autocast() -> dict:
-        with exact_fp32():
-            errors = {
-                name: rel_err(logits_of(m, ids, bf16=True), logits_of(m, ids)) for name, m in _pair(baseline, delta)
-            }
-        limit = BF16_FACTOR * max(errors["baseline"], EPS_BF16)
-        return {
-            "status": passed(errors["delta"] <= limit),
-            "error": errors["delta"],
-            "baseline_error": errors["baseline"],
-            "bound": limit,
-        }
-
-    row["bf16_autocast"] = guarded(bf16_autocast)
-
-    def generate_cache() -> dict:
-        prompt = ids[:, : shape["prompt"]]
-        n = shape["new_tokens"]
-        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        kwargs["attention_mask"] = torch.ones_like(prompt)
-        with exact_fp32(), torch.no_grad():
-            cached = delta.generate(prompt, use_cache=True, **kwargs)
-            plain = delta.generate(prompt, use_cache=False, **kwargs)
-            if torch.equal(cached, plain):
-                return {"status": "pass", "equal": True, "new_tokens": n}
-            # Different tokens are still right where the uncached logits of the two choices tie within the bound.
-            position = int((cached != plain).any(0).nonzero()[0])
-            b = int((cached[:, position] != plain[:, position]).nonzero()[0])
-            logits = logits_of(delta, plain[b : b + 1, :position])[0, -1]
-        gap = (logits[cached[b, position]] - logits[plain[b, position]]).abs().item() / logits.abs().max().item()
-        return {
-            "status": passed(gap <= bound),
-            "equal": False,
-            "first_difference": position,
-            "relative_logit_gap": gap,
-            "note": "differs first where the two tokens' logits tie within the float32 bound" if gap <= bound else "",
-        }
-
-    row["generate_cache"] = guarded(generate_cache)
-
-    def sdpa_vs_eager() -> dict:
-        with exact_fp32():
-            errors = {}
-            for name, model in _pair(baseline, delta):
-                sdpa = logits_of(model, ids)
-                model.set_attn_implementation("eager")
-                try:
-                    errors[name] = rel_err(logits_of(model, ids), sdpa)
-                finally:
-                    model.set_attn_implementation("sdpa")
-        return fp32_record(errors, bound)
-
-    row["sdpa_vs_eager"] = guarded(sdpa_vs_eager)
-
-    for implementation, probe in FLASH:
-
-        def flash(implementation: str = implementation, probe: str = probe) -> dict:
-            if device.type != "cuda":
-                return {"status": "skipped", "reason": "flash attention runs on CUDA only"}
-            if not getattr(hf_utils, probe, lambda: False)():
-                return {"status": "skipped", "reason": f"{implementation} is not installed"}
-            errors = {}
-            for name, model in _pair(baseline, delta):
-                half = copy.deepcopy(model).to(torch.bfloat16)
-                sdpa = logits_of(half, ids)
-                half.set_attn_implementation(implementation)
-                errors[name] = rel_err(logits_of(half, ids), sdpa)
-                del half
-            limit = BF16_FACTOR * max(errors["baseline"], EPS_BF16)
-            return {
-                "status": passed(errors["delta"] <= limit),
-                "error": errors["delta"],
-                "baseline_error": errors["baseline"],
-                "bound": limit,
-                "against": "sdpa, both in bfloat16",
-            }
-
-        row[implementation] = guarded(flash)
-    return row
-
-
-def _pair(baseline: PreTrainedModel, delta: PreTrainedModel) -> tuple[tuple[str, PreTrainedModel], ...]:
-    return ("baseline", baseline), ("delta", delta)
-
-
-def correctness_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
-    rows = []
-    for variant, _, build in check_models(plan, variants):
-        record = guarded(lambda variant=variant, build=build: correctness_row(variant, build, plan, device))
-        record.setdefault("variant", variant)
-        rows.append(record)
-        free(device)
-        print(f"correctness {variant:20s} {_statuses(record)}", flush=True)
-    return {
-        "shape": plan["check"],
-        "fp32_bound": fp32_bound(plan["check"]),
-        "fp32_bound_formula": FP32_BOUND_TEXT,
-        "bf16_bound_formula": BF16_BOUND_TEXT,
-        "metric": "max|Δ logits| / max|reference logits|",
-        "rows": rows,
-    }
-
-
-def _statuses(record: dict) -> str:
-    if record.get("status") == "error":
-        return f"error: {record['error']}"
-    return " ".join(f"{k}={v['status']}" for k, v in record.items() if isinstance(v, dict) and "status" in v)
-
-
-# --- synchronisation ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def sync_debug_error() -> Iterator[None]:
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-def synchronised(error: RuntimeError) -> dict:
-    """The failure record of sync debug mode's error; any other error is raised (and recorded as an error)."""
-    if "synchroniz" not in str(error).lower():
-        raise error
-    return {"status": "fail", "synchronises": str(error)[:1000]}
-
-
-def sync_checks(model: PreTrainedModel, plan: dict, device: torch.device) -> dict:
-    """A training step (bf16 autocast forward with labels, backward) and one cached decoding step (no mask: an
-    unpadded batch), each run once to warm up, then again under sync debug mode "error"."""
-    shape = plan["check"]
-    model.to(device)
-    ids = random_ids(model.config.vocab_size, shape["batch"], shape["seq"], seed=3).to(device)
-
-    def train_step() -> dict:
-        model.train()
-
-        def step() -> None:
-            with autocast(device):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-
-        step()
-        model.zero_grad(set_to_none=True)
-        try:
-            with sync_debug_error():
-                step()
-        except RuntimeError as error:
-            return synchronised(error)
-        finally:
-            model.zero_grad(set_to_none=True)
-            model.eval()
-        return {"status": "pass"}
-
-    def decode_step() -> dict:
-        with torch.no_grad():
-            out = model(input_ids=ids[:, : shape["prompt"]], use_cache=True)
-            cache, token = cache_out(out), out.logits[:, -1:].argmax(-1)
-            token = model(input_ids=token, use_cache=True, **cache_kwarg(model, cache)).logits[:, -1:].argmax(-1)
-            try:
-                with sync_debug_error():
-                    model(input_ids=token, use_cache=True, **cache_kwarg(model, cache))
-            except RuntimeError as error:
-                return synchronised(error)
-        return {"status": "pass"}
-
-    return {"train_step": guarded(train_step), "decode_step": guarded(decode_step)}
-
-
-def sync_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
-    if device.type != "cuda":
-        reason = "torch.cuda.set_sync_debug_mode needs CUDA: on the CPU there is no device to synchronise with"
-        return {"status": "skipped", "reason": reason, "rows": []}
-    rows = []
-    jobs: list[tuple[str, bool, Callable[[], PreTrainedModel]]] = [
-        (f"control: {family}", True, lambda family=family: build_baseline(family, plan["check"]))
-        for family in ("gpt2", "llama")
-    ]
-    for variant, _, build in check_models(plan, variants):
-        jobs.append((variant, False, lambda build=build: build()[1]))
-    for name, control, build in jobs:
-        record = guarded(lambda build=build: sync_checks(build(), plan, device))
-        record.update(variant=name, control=control)
-        rows.append(record)
-        free(device)
-        print(f"sync        {name:20s} {_statuses(record)}", flush=True)
-    return {"shape": plan["check"], "rows": rows}
 
 
 # --- cost --------------------------------------------------------------------------------------------------------
@@ -956,64 +632,28 @@ def profile_section(plan: dict, device: torch.device) -> dict:
 
 #: The two implementations the section compares: the tensor ops, and one Triton op per Delta residual.
 TRITON_PAIR = ("eager", "triton")
+#: The triton section's extra row: a DeltaNet DeltaGPT, whose "triton" also runs fla's delta rule (where installed).
+DELTA_NET_ROW = "delta-net"
 
 
-def loss_and_grads(model: PreTrainedModel, ids: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, dict]:
-    """The training loss and every parameter's gradient of one forward and backward (`model`'s own implementation),
-    the gradients cleared again afterwards."""
-    model.zero_grad(set_to_none=True)
-    with autocast(ids.device, bf16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach().float(), grads
-
-
-def loss_and_grads_check(model: PreTrainedModel, ids: torch.Tensor, implementation: str) -> dict:
-    """`model`'s bf16-autocast loss and gradients with `implementation` against the same model in float32 with
-    "eager" (TF32 off), bounded as the correctness section bounds bf16: BF16_FACTOR times "eager"'s own bf16 error
-    against the same reference, at least bf16's eps; the gradients per parameter (each its own error and bound; the
-    worst parameter, by error over bound, is recorded)."""
-    with delta_implementation(model, "eager"):
-        with exact_fp32():
-            reference = loss_and_grads(model, ids, bf16=False)
-        eager = loss_and_grads(model, ids, bf16=True)
-    with delta_implementation(model, implementation):
-        mine = loss_and_grads(model, ids, bf16=True)
-    loss_error, eager_loss_error = rel_err(mine[0], reference[0]), rel_err(eager[0], reference[0])
-    loss_bound = BF16_FACTOR * max(eager_loss_error, EPS_BF16)
-    loss = {"status": passed(loss_error <= loss_bound), "error": loss_error, "bound": loss_bound}
-    loss["eager_error"] = eager_loss_error
-    names = sorted(reference[1])
-    missing = sorted(set(names) ^ set(mine[1]))
-    errors = {name: rel_err(mine[1][name], reference[1][name]) for name in names if name in mine[1]}
-    bounds = {name: BF16_FACTOR * max(rel_err(eager[1][name], reference[1][name]), EPS_BF16) for name in errors}
-    worst = max(errors, key=lambda name: errors[name] / bounds[name])
-    grads = {
-        "status": passed(not missing and all(errors[name] <= bounds[name] for name in errors)),
-        "error": errors[worst],
-        "bound": bounds[worst],
-        "worst_parameter": worst,
-        "parameters": len(errors),
-        "largest_error": max(errors.values()),
-    }
-    if missing:
-        grads["missing"] = missing[:20]  # a gradient one implementation gives and the other does not
-    status = passed(loss["status"] == grads["status"] == "pass")
-    return {"status": status, "implementation": implementation, "loss": loss, "grads": grads}
+def delta_net(baseline: PreTrainedModel) -> PreTrainedModel:
+    """A DeltaNet DeltaGPT of `baseline`'s shape (its own weights: the token mixer is not GPT-2's attention)."""
+    fields = {k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    torch.manual_seed(1)
+    config = DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net", delta_implementation="eager")
+    return DeltaGPTForCausalLM(config)
 
 
 def triton_row(runner: CostRunner, variant: str, implementation: str, launches: dict) -> dict:
-    """One variant: the bf16 check of `implementation` against float32 "eager", then the eager training step with
-    "eager" and with `implementation` (one model, the same AdamW) each against the baseline's (its A/A floor is the
-    cost section's, `CostRunner.floor`), then the launches of one profiled step of each. `launches`: each family's
-    baseline launches, profiled once."""
-    family = VARIANTS[variant][0]
+    """One variant (or DELTA_NET_ROW): its eager training step with "eager" and with `implementation` (one model, the
+    same AdamW) each against the baseline's (its A/A floor is the cost section's, `CostRunner.floor`), then the
+    launches of one profiled step of each. `launches`: each family's baseline launches, profiled once."""
+    family = "gpt2" if variant == DELTA_NET_ROW else VARIANTS[variant][0]
     device = runner.device
     base = runner.baseline(family)
     baseline = base["model"].train()
-    delta = build_delta(variant, baseline, "eager").to(device).train()
+    delta = delta_net(baseline) if variant == DELTA_NET_ROW else build_delta(variant, baseline, "eager")
+    delta = delta.to(device).train()
     delta.loss_type = "ForCausalLM"
     ids = runner.ids(baseline.config.vocab_size)
     row: dict = {
@@ -1021,39 +661,32 @@ def triton_row(runner: CostRunner, variant: str, implementation: str, launches: 
         "family": family,
         "implementations": dict(zip(TRITON_PAIR, ("eager", implementation))),
     }
-    row["bf16_loss_and_grads"] = guarded(lambda: loss_and_grads_check(delta, ids, implementation))
+    if variant == DELTA_NET_ROW:
+        from ddl_hf.fla_kernels import fla_available
 
-    def timings() -> dict:
-        delta_step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
-        steps = {"eager": running(delta, "eager", delta_step), "triton": running(delta, implementation, delta_step)}
-        base_step = train_step_fn(baseline, ids, base["optimizer"])
-        for step in (base_step, *steps.values()):  # AdamW's state, Triton's compilation: not timed
-            step()
-            step()
-        pairs = runner.plan["train_pairs"]
-        floor = runner.floor(
-            family, "train_eager", lambda: interleaved(base_step, base_step, pairs, device, warmup=False)
-        )
-        record: dict = {}
-        for name, step in steps.items():
-            timing = interleaved(base_step, step, pairs, device, warmup=False)
-            record[f"train_{name}"] = throughput(timing, floor, ids.numel())
-        record["triton_vs_eager"] = record["train_triton"]["delta_s"] / record["train_eager"]["delta_s"]
-        if family not in launches:
-            launches[family] = step_kernels(base_step, device)
-        record["launches"] = {"baseline": launches[family]}
-        record["launches"].update({name: step_kernels(step, device) for name, step in steps.items()})
-        return record
-
-    row.update(guarded(timings))
+        row["fla"] = implementation == "triton" and device.type == "cuda" and fla_available()
+    delta_step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
+    steps = {"eager": running(delta, "eager", delta_step), "triton": running(delta, implementation, delta_step)}
+    base_step = train_step_fn(baseline, ids, base["optimizer"])
+    for step in (base_step, *steps.values()):  # AdamW's state, Triton's compilation: not timed
+        step()
+        step()
+    pairs = runner.plan["train_pairs"]
+    floor = runner.floor(family, "train_eager", lambda: interleaved(base_step, base_step, pairs, device, warmup=False))
+    for name, step in steps.items():
+        row[f"train_{name}"] = throughput(interleaved(base_step, step, pairs, device, warmup=False), floor, ids.numel())
+    row["triton_vs_eager"] = row["train_triton"]["delta_s"] / row["train_eager"]["delta_s"]
+    if family not in launches:
+        launches[family] = step_kernels(base_step, device)
+    row["launches"] = {"baseline": launches[family], **{name: step_kernels(s, device) for name, s in steps.items()}}
     baseline.eval()
     return row
 
 
 def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
-    """`delta_implementation="triton"` against `"eager"` for each of `variants` at the cost shape (`triton_row`).
-    Where Triton cannot run on `device`'s tensors (the CPU without Triton's interpreter), "eager" stands in for it:
-    the section's code runs, the rows say what ran, and no number is Triton's."""
+    """`delta_implementation="triton"` against `"eager"` for each of `variants` and DELTA_NET_ROW at the cost shape
+    (`triton_row`). Where Triton cannot run on `device`'s tensors (the CPU without Triton's interpreter), "eager"
+    stands in for it: the section's code runs, the rows say what ran, and no number is Triton's."""
     problem = triton_unavailable(device)
     implementation = "eager" if problem else "triton"
     section: dict = {"shape": plan["cost"], "train_pairs": plan["train_pairs"], "triton_ran": not problem, "rows": []}
@@ -1063,12 +696,10 @@ def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dic
             " section's code, and no number below is Triton's"
         )
     elif device.type != "cuda":
-        section["note"] = (
-            f"Triton's interpreter on {device.type} tensors: its values hold, its times and launches do not"
-        )
+        section["note"] = f"Triton's interpreter on {device.type} tensors: its times and launches do not hold"
     runner = CostRunner(plan, device, backend="eager")  # eager steps only: its baselines and A/A floors
     launches: dict = {}
-    for variant in variants:
+    for variant in [*variants, DELTA_NET_ROW]:
         row = guarded(lambda variant=variant: triton_row(runner, variant, implementation, launches))
         row.setdefault("variant", variant)
         section["rows"].append(row)
@@ -1080,77 +711,51 @@ def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dic
 
 def _triton_line(row: dict) -> str:
     if "train_triton" not in row:
-        return _statuses(row)
+        return f"{row.get('status')}: {row.get('error')}"
     counts = row["launches"]
     return (
         f"eager {row['train_eager']['ratio']:.3f} triton {row['train_triton']['ratio']:.3f} (of the baseline), "
-        f"launches {counts['eager']['kernels']} -> {counts['triton']['kernels']}, {_statuses(row)}"
+        f"launches {counts['eager']['kernels']} -> {counts['triton']['kernels']}"
     )
 
 
 # --- report ------------------------------------------------------------------------------------------------------
 
-
-def _records(key: str, label: str, record: dict) -> Iterator[tuple[str, str, dict]]:
-    """The checks with a status among `record`'s values, and one level below (a check's float32 twin)."""
-    for name, value in record.items():
-        if isinstance(value, dict) and "status" in value:
-            yield key, f"{label}{name}", value
-            for sub, nested in value.items():
-                if isinstance(nested, dict) and "status" in nested:
-                    yield key, f"{label}{name} {sub}", nested
+#: Sections that ran here once and are tests now (tests/gpu): `--sections` names them and says where they went.
+MOVED = ("correctness", "sync", "fla")
+SECTIONS = ("profile", "triton", "cost")  # cost last: its budget guard drops what is left
 
 
-def all_checks(results: dict) -> Iterator[tuple[str, str, dict]]:
-    """(section, label, record) of every check with a status."""
-    for key in ("correctness", "sync", "fla", "profile", "triton"):
+def all_checks(results: dict) -> list[tuple[str, str, dict]]:
+    """(section, label, record) of each section that did not run, each row, and each cost metric with a status."""
+    checks = []
+    for key in SECTIONS:
         section = results.get(key) or {}
         if section.get("status") in ("error", "skipped"):
-            yield key, "section", section
-        yield from _records(key, "", section)  # a section's own checks beside its rows (fla: the model's logits)
+            checks.append((key, "section", section))
         for row in section.get("rows", []):
-            label = row.get("variant") or row.get("case") or row.get("model")
-            if row.get("status") == "error":
-                yield key, label, row
-            yield from _records(key, f"{label} ", row)
-    cost = results.get("cost") or {}
-    if cost.get("status") == "error":
-        yield "cost", "section", cost
-    for row in cost.get("rows", []):
-        label = f"{row['kind']} {'compiled' if row['compiled'] else 'eager'} {row['variant']}"
-        yield "cost", label, row
-        for name, record in _metrics(row).items():
-            if record.get("status"):
-                yield "cost", f"{label} {name}", record
+            if key != "cost":
+                checks.append((key, row.get("variant") or row.get("model"), row))
+                continue
+            label = f"{row['kind']} {'compiled' if row['compiled'] else 'eager'} {row['variant']}"
+            checks.append((key, label, row))
+            checks += [(key, f"{label} {name}", m) for name, m in _metrics(row).items() if m.get("status")]
+    return checks
 
 
 def summary(results: dict) -> dict:
     counts: dict[str, int] = {}
     failures = []
     for section, label, record in all_checks(results):
-        counts[record["status"]] = counts.get(record["status"], 0) + 1
-        if record["status"] in ("fail", "error"):
-            failures.append({"section": section, "check": label, "status": record["status"], **_why(record)})
+        status = record.get("status", "ok")
+        counts[status] = counts.get(status, 0) + 1
+        if status in ("fail", "error"):
+            failures.append({"section": section, "check": label, "status": status, **_why(record)})
     return {"counts": counts, "failures": failures}
 
 
 def _why(record: dict) -> dict:
-    return {k: record[k] for k in ("error", "synchronises", "reason") if k in record}
-
-
-def _num(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}g}" if abs(value) < 1e-2 else f"{value:.{digits}f}"
-
-
-def _cell(record: dict | None) -> str:
-    if not record:
-        return "-"
-    status = record.get("status", "?")
-    if status == "pass" and "error" in record:
-        return f"pass ({_num(record['error'])})"
-    if status == "fail" and "error" in record:
-        return f"**fail** ({_num(record['error'])})"
-    return {"fail": "**fail**", "error": "**error**"}.get(status, status)
+    return {k: record[k] for k in ("error", "reason") if k in record}
 
 
 def _ratio_cell(record: dict | None) -> str:
@@ -1163,348 +768,140 @@ def _ratio_cell(record: dict | None) -> str:
     return f"{record['ratio']:.3f} (A/A {floor.get('ratio', float('nan')):.3f} {spread})".replace(" )", ")")
 
 
-def _heading(title: str, intro: str, section: dict) -> tuple[list[str], bool]:
-    """A section's title and intro, and whether it ran; where it did not, the line that says why."""
-    lines = [f"## {title}", "", intro, ""]
+def table(header: list[str], rows: list[list]) -> list[str]:
+    """A markdown table of `rows` under `header`, and a blank line."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows] + [""]
+
+
+INTROS = {
+    "cost": (
+        "Cost",
+        "Delta model against its baseline in one process (L{n_layer} D{n_embd}, GPT-2 vocabulary {vocab_size}, Llama"
+        " {llama_vocab_size}). Ratio = Delta time per token / baseline's (> 1 is slower; memory: Delta / baseline),"
+        " median of interleaved pairs; beside it the baseline timed against itself (A/A: median [min, max] pair)."
+        " Training: batch {batch} × {seq}, bf16 autocast, AdamW, {train_pairs} pairs; decoding: {new_tokens} new"
+        " tokens after a {prompt}-token prompt, {decode_pairs} pairs; compiled: `torch.compile(fullgraph=True,"
+        " dynamic=False)`, backend {compile_backend}, static cache for decoding. Delta models:"
+        ' `delta_implementation="auto"` (Triton\'s op on CUDA), and what it ran.',
+    ),
+    "profile": (
+        "Where a training step's time goes",
+        "One eager training step (bf16 autocast, AdamW) of GPT-2 and of Delta variants at the cost shape: wall time"
+        " (median of 3, no profiler) beside the device's busy time and its kernel launches in one profiled step,"
+        " split into matmul, attention and other kernels (by kernel name; memcpy and memset count as other). On the"
+        " CPU a stand-in: the matmul and attention operators and the aten operators that call no other. Busy well"
+        " below wall: the host's dispatch sets the pace.",
+    ),
+    "triton": (
+        "Triton's Delta residual op against the tensor ops",
+        'Each Delta variant with `delta_implementation="eager"` (the tensor ops) and `"triton"` (one'
+        " `ddl_hf::delta_residual` op per Delta residual, forward and backward) at the cost shape (L{n_layer}"
+        " D{n_embd}, batch {batch} × {seq}): one eager training step (bf16 autocast, AdamW), ratio = Delta time /"
+        " baseline's, median of {train_pairs} interleaved pairs, with the baseline's A/A floor as in the cost section;"
+        ' triton / eager: the two medians. delta-net: a DeltaNet DeltaGPT, whose "triton" also runs fla\'s delta rule'
+        " where installed (fla: whether it ran). Launches: the device's kernels in one profiled step (on the CPU, the"
+        " profile section's stand-in), baseline → eager → triton; op calls: the Triton op's forward calls per step."
+        " Correctness of both routes: `python -m pytest -m gpu`.",
+    ),
+}
+
+
+def _cost_rows(cost: dict) -> list[list]:
+    """One row per (variant, eager / compiled): implementation, train step, peak memory, each decoding batch."""
+    merged: dict[tuple[str, bool], dict] = {}
+    for row in cost["rows"]:
+        entry = merged.setdefault((row["variant"], row["compiled"]), {})
+        entry.setdefault("implementation", row.get("implementation") or "-")
+        if row["status"] == "ok":
+            entry.update(_metrics(row))
+        else:
+            entry[row["kind"]] = row["status"] + (f": {row['error']}" if row["status"] == "error" else "")
+    rows = []
+    for (variant, compiled), entry in merged.items():
+        kind = "compiled" if compiled else "eager"
+        train = [f"train_{kind}", f"peak_train_memory_{kind}"]
+        decode = [f"decode_b{b}_{kind}" for b in cost["decode_batches"]]
+        cells = [_ratio_cell(entry[m]) if m in entry else entry.get("train", "-") for m in train]
+        cells += [_ratio_cell(entry[m]) if m in entry else entry.get("decode", "-") for m in decode]
+        rows.append([variant, kind, entry["implementation"], *cells])
+    return rows
+
+
+def _section_lines(key: str, section: dict) -> list[str]:
+    """The section's tables (the `INTROS` text above them), or the line that says why it did not run."""
+    title, intro = INTROS[key]
+    fields = {**section.get("shape", {}), **{k: v for k, v in section.items() if not isinstance(v, (dict, list))}}
     if section.get("status") in ("skipped", "error"):
-        return lines + _not_run(section), False
-    return lines, True
-
-
-def _not_run(section: dict) -> list[str]:
-    """The line that says why a section did not run (skipped, or the error that stopped it)."""
-    return [f"{section['status'].capitalize()}: {section.get('reason') or section.get('error')}.", ""]
-
-
-def _implementations(rows: list[dict]) -> str:
-    """The implementations `rows` ran ("auto → triton"), in order, without repeats."""
-    return ", ".join(f'"{name}"' for name in dict.fromkeys(row.get("implementation", "?") for row in rows))
+        why = section.get("reason") or section.get("error")
+        return [f"## {title}", "", f"{section['status'].capitalize()}: {why}.", ""]
+    lines = [f"## {title}", "", intro.format_map(fields), ""]
+    if section.get("note"):
+        lines += [f"**{section['note']}.**", ""]
+    rows = section.get("rows", [])
+    if key == "cost":
+        batches = [f"decode b={b}" for b in section["decode_batches"]]
+        header = ["variant", "kind", "implementation", "train step", "peak train memory", *batches]
+        lines += [*table(header, _cost_rows(section)), "Absolute tokens/s (memory: MiB), baseline → Delta:", ""]
+        absolute = []
+        for row in rows:
+            for name, m in _metrics(row).items():
+                if "baseline_tokens_per_s" in m:
+                    absolute.append(
+                        [row["variant"], name, f"{m['baseline_tokens_per_s']:.0f}", f"{m['delta_tokens_per_s']:.0f}"]
+                    )
+                elif "baseline_bytes" in m:
+                    absolute.append(
+                        [row["variant"], name, f"{m['baseline_bytes'] / 2**20:.0f}", f"{m['delta_bytes'] / 2**20:.0f}"]
+                    )
+        return lines + table(["variant", "metric", "baseline", "Delta"], absolute)
+    if key == "profile":
+        header = ["model", "implementation", "wall ms", "busy ms", "kernels", "matmul ms", "attention ms"]
+        cells = []
+        for row in rows:
+            c = row["by_class"]
+            times = [f"{x:.1f}" for x in (row["wall_ms"], row["busy_ms"], c["matmul"]["ms"], c["attention"]["ms"])]
+            other = f"{c['other']['ms']:.1f} ({c['other']['kernels']})"
+            cells.append([row["model"], row.get("implementation", "-"), *times[:2], row["kernels"], *times[2:], other])
+        lines += table([*header, "other ms (kernels)"], cells)
+        for row in rows[1:]:
+            top = [[f"`{k['name']}`", k["kernels"], f"{k['ms']:.2f}"] for k in row["top_other"]]
+            lines += [f"Costliest other kernels, {row['model']}:", "", *table(["kernel", "launches", "ms"], top)]
+        return lines
+    cells = []
+    for row in rows:
+        if "train_triton" not in row:
+            cells.append([row["variant"], f"**{row.get('status')}**: {row.get('error')}", "", "", "", ""])
+            continue
+        counts = row["launches"]
+        timed = [_ratio_cell(row["train_eager"]), _ratio_cell(row["train_triton"]), f"{row['triton_vs_eager']:.3f}"]
+        kernels = " → ".join(str(counts[name]["kernels"]) for name in ("baseline", *TRITON_PAIR))
+        calls = " → ".join(str(counts[name]["triton_op_calls"]) for name in TRITON_PAIR)
+        fla = f" (fla: {'yes' if row['fla'] else 'no'})" if "fla" in row else ""
+        cells.append([row["variant"] + fla, *timed, kernels, calls])
+    header = ["variant", "eager / baseline", "triton / baseline", "triton / eager", "launches", "op calls"]
+    return lines + table(header, cells)
 
 
 def markdown(results: dict) -> str:
     info, totals = results["device"], results["summary"]["counts"]
+    cuda = f", CUDA {info['cuda']}, capability {info['capability']}" if info.get("cuda") else ""
     lines = [
         "# GPU check",
         "",
-        f"Device: {info['name']} ({info['device']}"
-        + (f", CUDA {info['cuda']}, capability {info['capability']}" if info.get("cuda") else "")
-        + f"); mode: {'tiny' if results['tiny'] else 'full'}; wall {results.get('wall_s', 0):.0f} s. "
-        + "Checks: "
-        + ", ".join(f"{n} {s}" for s, n in sorted(totals.items())),
+        f"Device: {info['name']} ({info['device']}{cuda}); mode: {'tiny' if results['tiny'] else 'full'}; wall"
+        f" {results.get('wall_s', 0):.0f} s. Rows: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(totals.items()))
+        + ". Correctness and host synchronisation: `python -m pytest -m gpu`.",
         "",
     ]
-    correctness = results.get("correctness") or {}
-    if correctness.get("rows"):
-        c = correctness
-        lines += [
-            "## Correctness",
-            "",
-            f"Shape L{c['shape']['n_layer']} D{c['shape']['n_embd']}, batch {c['shape']['batch']} × {c['shape']['seq']}"
-            f" tokens. Error = {c['metric']}. Float32 (TF32 off) against the bound {c['fp32_bound_formula']} ="
-            f" {c['fp32_bound']:.2e}; bfloat16 against {c['bf16_bound_formula']}. Baseline: GPT-2 (GPT-2 variants)"
-            " or Llama (DeltaLlama) of the same shape and weights; its own error in brackets. Delta models on the"
-            f" device: `delta_implementation` {_implementations(c['rows'])}; on the CPU (`device vs CPU`'s reference)"
-            " the tensor ops."
-            + (" On the CPU, `device vs CPU` compares two CPU runs." if info["device"] == "cpu" else ""),
-            "",
-            "| variant | device vs CPU fp32 | bf16 autocast | generate cache = no cache | SDPA vs eager | flash-attn 2"
-            " | flash-attn 3 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for row in c["rows"]:
-            if row.get("status") == "error":
-                lines.append(f"| {row['variant']} | **error**: {row['error']} | | | | | |")
-                continue
-            cells = []
-            for key in ("device_vs_cpu_fp32", "bf16_autocast", "generate_cache", "sdpa_vs_eager"):
-                record = row.get(key) or {}
-                cell = _cell(record)
-                if "baseline_error" in record:
-                    cell += f" [{_num(record['baseline_error'])}]"
-                cells.append(cell)
-            cells += [_cell(row.get(k)) for k, _ in FLASH]
-            lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
-        lines.append("")
-    sync = results.get("sync") or {}
-    if sync:
-        heading, ran = _heading(
-            "No synchronisation",
-            "A training step (bf16 autocast forward with labels, backward) and a cached decoding step (no mask) under"
-            ' `torch.cuda.set_sync_debug_mode("error")`, after one warm-up call each; GPT2LMHeadModel and'
-            " LlamaForCausalLM of the same shape are the controls.",
-            sync,
-        )
-        lines += heading
-        if ran:
-            lines += ["| model | train step | decode step |", "|---|---|---|"]
-            for row in sync["rows"]:
-                cells = [
-                    _cell(row.get(k)) if row.get("status") != "error" else "**error**"
-                    for k in ("train_step", "decode_step")
-                ]
-                lines.append(f"| {row['variant']} | {cells[0]} | {cells[1]} |")
-            lines.append("")
-    cost = results.get("cost") or {}
-    if cost.get("rows"):
-        s = cost["shape"]
-        lines += [
-            "## Cost",
-            "",
-            f"Delta model against its baseline in one process (L{s['n_layer']} D{s['n_embd']}, GPT-2 vocabulary"
-            f" {s['vocab_size']}, Llama {s['llama_vocab_size']}). Ratio = Delta time per token / baseline's (> 1 is"
-            f" slower; memory: Delta / baseline), median of interleaved pairs; next to it the baseline timed against"
-            f" itself (A/A: median [min, max] pair). Training: batch {s['batch']} × {s['seq']}, bf16 autocast, AdamW,"
-            f" {cost['train_pairs']} pairs; decoding: {cost['new_tokens']} new tokens after a {s['prompt']}-token"
-            f" prompt, {cost['decode_pairs']} pairs; compiled: `torch.compile(fullgraph=True, dynamic=False)`, backend"
-            f' {cost["compile_backend"]}, static cache for decoding. Delta models: `delta_implementation="auto"`'
-            " (Triton's op on CUDA), and what it ran.",
-            "",
-            "| variant | kind | implementation | train step | peak train memory | "
-            + " | ".join(f"decode b={b}" for b in cost["decode_batches"])
-            + " |",
-            "|---|---|---|---|---|" + "---|" * len(cost["decode_batches"]),
-        ]
-        merged: dict[tuple[str, bool], dict] = {}
-        for row in cost["rows"]:
-            key = (row["variant"], row["compiled"])
-            entry = merged.setdefault(key, {})
-            if row.get("implementation"):
-                entry["implementation"] = row["implementation"]
-            if row["status"] == "ok":
-                entry.update(_metrics(row))
-            else:
-                entry[row["kind"]] = row["status"] + (f": {row['error']}" if row["status"] == "error" else "")
-        for (variant, compiled), entry in merged.items():
-            kind = "compiled" if compiled else "eager"
-            train = _ratio_cell(entry.get(f"train_{kind}")) if f"train_{kind}" in entry else entry.get("train", "-")
-            memory = _ratio_cell(entry.get(f"peak_train_memory_{kind}")) if f"train_{kind}" in entry else "-"
-            decodes = [
-                _ratio_cell(entry.get(f"decode_b{b}_{kind}"))
-                if f"decode_b{b}_{kind}" in entry
-                else entry.get("decode", "-")
-                for b in cost["decode_batches"]
-            ]
-            cells = [variant, kind, entry.get("implementation", "-"), train, memory, *decodes]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines += [
-            "",
-            "Absolute tokens/s (baseline → Delta):",
-            "",
-            "| variant | metric | baseline | Delta |",
-            "|---|---|---|---|",
-        ]
-        for row in cost["rows"]:
-            for name, record in _metrics(row).items():
-                if "baseline_tokens_per_s" in record:
-                    lines.append(
-                        f"| {row['variant']} | {name} | {record['baseline_tokens_per_s']:.0f} | "
-                        f"{record['delta_tokens_per_s']:.0f} |"
-                    )
-                elif "baseline_bytes" in record:
-                    lines.append(
-                        f"| {row['variant']} | {name} (MiB) | {record['baseline_bytes'] / 2**20:.0f} | "
-                        f"{record['delta_bytes'] / 2**20:.0f} |"
-                    )
-        lines.append("")
-    prof = results.get("profile") or {}
-    if prof:
-        heading, ran = _heading(
-            "Where a training step's time goes",
-            "One eager training step (bf16 autocast, AdamW) of GPT-2 and of Delta variants at the cost shape: wall time"
-            " (median of 3, no profiler) beside the device's busy time and its kernel launches in one profiled step,"
-            " split into matmul, attention and other kernels (by kernel name; memcpy and memset count as other). On the"
-            " CPU a stand-in: the matmul and attention operators and the aten operators that call no other. Busy well"
-            " below wall: the host's dispatch sets the pace.",
-            prof,
-        )
-        lines += heading
-        if ran:
-            lines += [
-                "| model | implementation | wall ms | busy ms | kernels | matmul ms | attention ms |"
-                " other ms (kernels) |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
-            for row in prof["rows"]:
-                c = row["by_class"]
-                lines.append(
-                    f"| {row['model']} | {row.get('implementation', '-')} | {row['wall_ms']:.1f} |"
-                    f" {row['busy_ms']:.1f} | {row['kernels']} |"
-                    f" {c['matmul']['ms']:.1f} | {c['attention']['ms']:.1f} |"
-                    f" {c['other']['ms']:.1f} ({c['other']['kernels']}) |"
-                )
-            for row in prof["rows"][1:]:
-                lines += [
-                    "",
-                    f"Costliest other kernels, {row['model']}:",
-                    "",
-                    "| kernel | launches | ms |",
-                    "|---|---|---|",
-                ]
-                lines += [f"| `{k['name']}` | {k['kernels']} | {k['ms']:.2f} |" for k in row["top_other"]]
-            lines.append("")
-    tri = results.get("triton") or {}
-    if tri:
-        s = tri.get("shape")
-        where = f" (L{s['n_layer']} D{s['n_embd']}, batch {s['batch']} × {s['seq']})" if s else ""
-        heading, ran = _heading(
-            "Triton's Delta residual op against the tensor ops",
-            'Each Delta variant with `delta_implementation="eager"` (the tensor ops) and `"triton"` (one'
-            f" `ddl_hf::delta_residual` op per Delta residual, forward and backward) at the cost shape{where}:"
-            " one eager training step (bf16 autocast, AdamW), ratio = Delta time / baseline's (GPT-2's, or Llama's),"
-            f" median of {tri.get('train_pairs', '?')} interleaved pairs, with the baseline's A/A floor as in the cost"
-            ' section; triton / eager: the two medians. Correctness: the "triton" model\'s bf16-autocast loss and'
-            ' every parameter\'s gradient against the same model in float32 with "eager" (TF32 off), bound'
-            f' {BF16_BOUND_TEXT}, the baseline here being "eager" in bf16 (per parameter; the worst shown).'
-            " Launches: the device's kernels in one profiled step (on the CPU, the profile section's stand-in),"
-            " baseline → eager → triton; op calls: the Triton op's forward calls per step.",
-            tri,
-        )
-        lines += heading
-        if ran:
-            if tri.get("note"):
-                lines += [f"**{tri['note']}.**", ""]
-            lines += [
-                "| variant | eager / baseline | triton / baseline | triton / eager | bf16 loss | bf16 grads |"
-                " launches | op calls |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
-            for row in tri["rows"]:
-                check = row.get("bf16_loss_and_grads") or {}
-                cells = [_cell(check.get("loss") or check), _cell(check.get("grads"))]
-                if "train_triton" in row:
-                    counts = row["launches"]
-                    timed = [_ratio_cell(row["train_eager"]), _ratio_cell(row["train_triton"])]
-                    timed.append(f"{row['triton_vs_eager']:.3f}")
-                    kernels = [counts[name]["kernels"] for name in ("baseline", *TRITON_PAIR)]
-                    calls = [counts[name]["triton_op_calls"] for name in TRITON_PAIR]
-                    cells += [" → ".join(map(str, kernels)), " → ".join(map(str, calls))]
-                else:
-                    timed = [_cell(row), "", ""]
-                    cells += ["", ""]
-                lines.append(f"| {row['variant']} | " + " | ".join(timed + cells) + " |")
-            lines.append("")
-    fla = results.get("fla") or {}
-    if fla:
-        heading, ran = _heading(
-            "DeltaNet through fla's kernels",
-            'The delta-rule kernel of `delta_implementation="triton"` (fla\'s chunk form for bf16 and T > 1,'
-            " fused_recurrent otherwise) against `delta_rule_recurrent` in float64 on the device (relative error of"
-            " output and final state; bound: 8 times our torch form's error on the same inputs), then a DeltaNet"
-            " DeltaGPT with \"triton\" (fla's rule, Triton's op for its Delta residuals) against the same model with"
-            ' "eager": its logits, and its bf16 training step (ratio < 1: "triton" faster).',
-            fla,
-        )
-        lines += heading
-        if ran:
-            lines += ["| case | rule vs float64 recurrent |", "|---|---|"]
-            lines += [f"| {row['case']} | {_cell(row['check'])} |" for row in fla["rows"]]
-            model = fla.get("model_logits") or {}
-            lines += [f"| DeltaNet model's logits vs float32 eager: bf16 autocast | {_cell(model)} |"]
-            lines += [f"| DeltaNet model's logits vs float32 eager: float32 | {_cell(model.get('fp32'))} |"]
-            lines += ["", f"Training step, triton / eager: {_ratio_cell(fla.get('train_step_fla_vs_torch'))}", ""]
+    for key in ("cost", "profile", "triton"):
+        if results.get(key):
+            lines += _section_lines(key, results[key])
     failures = results["summary"]["failures"]
     lines += ["## Failures", ""]
     lines += [f"- {f['section']}: {f['check']}: {f['status']} {_why(f)}" for f in failures] or ["None."]
     return "\n".join(lines) + "\n"
-
-
-# --- fla: DeltaNet's delta rule through flash-linear-attention's kernels ------------------------------------------
-
-#: (tokens, dtype) of the kernel comparisons: one decoding step, a chunk, several chunks with a ragged end.
-FLA_CASES = ((1, torch.float32), (64, torch.float32), (200, torch.float32), (64, torch.bfloat16), (200, torch.bfloat16))
-
-
-def _rule_error(
-    inputs: list[torch.Tensor], dtype: torch.dtype, exact: tuple[torch.Tensor, torch.Tensor], kernel: Callable | None
-) -> float:
-    """The larger relative error of `delta_rule`'s output and final state in `dtype` against `exact`, with `kernel`
-    (a `DeltaKernels.delta_rule`; None: the torch forms)."""
-    from ddl_hf.delta_ops import delta_rule
-
-    o, final = delta_rule(*(x.to(dtype) for x in inputs[:4]), initial_state=inputs[4], kernel=kernel)
-    return max(rel_err(o.double(), exact[0]), rel_err(final.double(), exact[1]))
-
-
-def fla_rule_errors(device: torch.device, kernel: Callable, heads: int = 4, d: int = 64) -> list[dict]:
-    """`kernel`, a delta-rule kernel (`delta_implementation="triton"`'s: fla's chunk form for half precision and
-    T > 1, else fused_recurrent), on random inputs with an initial state, against `delta_rule_recurrent` in float64
-    on the same device (relative error of the output and the final state). The bound is derived, not guessed: 8 times
-    the error our torch form makes on the same inputs in the same dtype (most of it the inputs' own rounding), at
-    least 1e-6."""
-    from ddl_hf.delta_ops import delta_rule_recurrent
-
-    rows = []
-    for tokens, dtype in FLA_CASES:
-        g = torch.Generator(device="cpu").manual_seed(tokens)
-        q, k = (torch.nn.functional.normalize(torch.randn(2, heads, tokens, d, generator=g), dim=-1) for _ in "qk")
-        v = torch.randn(2, heads, tokens, d, generator=g)
-        beta = torch.rand(2, heads, tokens, generator=g)
-        state = torch.randn(2, heads, d, d, generator=g) * 0.1
-        inputs = [x.to(device) for x in (q, k, v, beta, state)]
-        exact = delta_rule_recurrent(*(x.double() for x in inputs[:4]), inputs[4].double())
-        error = _rule_error(inputs, dtype, exact, kernel)
-        ours = _rule_error(inputs, dtype, exact, None)
-        bound = max(8 * ours, 1e-6)
-        record = {"status": passed(error <= bound), "error": error, "bound": bound, "torch_error": ours}
-        rows.append({"case": f"T={tokens} {str(dtype).removeprefix('torch.')}", "check": record})
-    return rows
-
-
-def implementation_model_check(model: PreTrainedModel, ids: torch.Tensor, implementation: str) -> dict:
-    """`model`'s logits with `implementation` against the same model in float32 with "eager" (the tensor ops): under
-    bf16 autocast (bound: BF16_FACTOR times "eager"'s own bf16 error, at least bf16's eps, the rule the correctness
-    section applies to every variant) and in float32 (`fp32`: the float32 bound of the model's shape). What an
-    op-level comparison cannot see, the model's own inputs to the kernels (dtypes, layouts, a state carried between
-    chunks), these see. The model runs the implementation it had before afterwards."""
-    with delta_implementation(model, "eager"):
-        with exact_fp32():
-            reference = logits_of(model, ids)
-        eager_bf16 = rel_err(logits_of(model, ids, bf16=True), reference)
-    with delta_implementation(model, implementation):
-        error = rel_err(logits_of(model, ids, bf16=True), reference)
-        with exact_fp32():
-            fp32_error = rel_err(logits_of(model, ids), reference)
-    bound = BF16_FACTOR * max(eager_bf16, EPS_BF16)
-    shape = {"n_layer": model.config.num_hidden_layers, "n_embd": model.config.hidden_size}
-    return {
-        "status": passed(error <= bound),
-        "error": error,
-        "bound": bound,
-        "torch_error": eager_bf16,
-        "implementation": implementation,
-        "fp32": {"status": passed(fp32_error <= fp32_bound(shape)), "error": fp32_error, "bound": fp32_bound(shape)},
-    }
-
-
-def fla_section(plan: dict, device: torch.device) -> dict:
-    """fla's kernels against our torch forms on the device: the rule's numbers, then a DeltaNet model with
-    `delta_implementation="triton"` (fla's delta rule, and Triton's op for its Delta residuals) against the same
-    model with "eager": its logits, and its bf16 training step (ratio < 1: "triton" is faster)."""
-    from ddl_hf.delta_ops import delta_kernels
-    from ddl_hf.fla_kernels import fla_available
-
-    if device.type != "cuda":
-        return {"status": "skipped", "reason": "fla's kernels run on CUDA only"}
-    if not fla_available():
-        return {"status": "skipped", "reason": "fla is not installed (pip install 'ddl-hf[fla]')"}
-    if problem := triton_unavailable(device):
-        return {"status": "skipped", "reason": problem}
-    section = {"rows": fla_rule_errors(device, delta_kernels("triton", torch.empty(0, device=device)).delta_rule)}
-    config = base_config("gpt2", plan["cost"]).to_dict()
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    torch.manual_seed(1)
-    delta_config = DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net", delta_implementation="eager")
-    model = DeltaGPTForCausalLM(delta_config).to(device).train()
-    model.loss_type = "ForCausalLM"
-    ids = random_ids(model.config.vocab_size, plan["cost"]["batch"], plan["cost"]["seq"], seed=5).to(device)
-    section["model_logits"] = guarded(lambda: implementation_model_check(model, ids[:2], "triton"))
-    step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    torch_step, fla_step = (running(model, implementation, step) for implementation in TRITON_PAIR)
-    pairs = plan["train_pairs"]
-    floor = interleaved(torch_step, torch_step, pairs, device)
-    timing = interleaved(torch_step, fla_step, pairs, device)
-    section["train_step_fla_vs_torch"] = {**timing, "aa_floor": floor, "status": "ok"}
-    return section
 
 
 # --- main --------------------------------------------------------------------------------------------------------
@@ -1530,14 +927,15 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-SECTIONS = (
-    "correctness",
-    "sync",
-    "fla",
-    "profile",
-    "triton",
-    "cost",
-)  # cost last: its budget guard drops what is left
+def section_name(name: str) -> str:
+    """`--sections`' type: one of SECTIONS; a section that moved to the tests says so."""
+    if name in MOVED:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is a test now, not a section (tests/gpu): run `python -m pytest -m gpu` on the GPU"
+        )
+    if name not in SECTIONS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(SECTIONS)})")
+    return name
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1546,7 +944,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and 1-2 pairs: the code paths in seconds")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder")
     parser.add_argument("--name", default="gpu_check", help="basename of the result files")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--sections", nargs="+", type=section_name, default=list(SECTIONS), help=f"of {', '.join(SECTIONS)}"
+    )
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument(
         "--compiled-variants",
@@ -1582,24 +982,15 @@ def main(argv: list[str] | None = None) -> dict:
         results["summary"] = summary(results)
         write_results(args.out, args.name, results, markdown(results))
 
+    runs = {
+        "profile": lambda: profile_section(plan, device),
+        "triton": lambda: triton_section(plan, device, args.variants),
+        "cost": lambda: cost_section(plan, device, backend, (args.variants, compiled), start, args.budget_s, save),
+    }
     for name in args.sections:
-        if name == "correctness":
-            run = lambda: correctness_section(plan, device, args.variants)  # noqa: E731
-        elif name == "sync":
-            run = lambda: sync_section(plan, device, args.variants)  # noqa: E731
-        elif name == "fla":
-            run = lambda: fla_section(plan, device)  # noqa: E731
-        elif name == "profile":
-            run = lambda: profile_section(plan, device)  # noqa: E731
-        elif name == "triton":
-            run = lambda: triton_section(plan, device, args.variants)  # noqa: E731
-        else:
-            run = lambda: cost_section(  # noqa: E731
-                plan, device, backend, (args.variants, compiled), start, args.budget_s, save
-            )
-        results[name] = guarded(run)
+        results[name] = guarded(runs[name])
         save()
-    print(markdown(results).split("## Correctness")[0].strip())
+    print(markdown(results).split("\n## ")[0].strip())
     print(f"wrote {args.out / args.name}.json and .md")
     return results
 
