@@ -35,18 +35,21 @@ from ddl_lab.common import provenance, ratio_spread, train_and_decode, write_res
 GOAL = 0.02  # a fused op stays if it saves at least 2% of GPT-2's step or token time
 
 
-def reference_update(state, h, beta, value, eps, additive, erase=True):
+def reference_update(state, h, beta, value, eps, additive, erase=True, kernel=None):
+    """The readable write; `kernel` (the model's native kernel, which the fused op may run) is not used here."""
     beta = beta.squeeze(-1) if beta.dim() == h.dim() else beta
     return delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)
 
 
-def reference_tc_read(x, weight, past=None, same_document=None):
+def reference_tc_read(x, weight, past=None, same_document=None, kernel=None):
+    """The readable TC read; `kernel` (the model's native kernel) is not used here."""
     if past is None:
         past = x.new_zeros(x.shape[0], weight.shape[-1] - 1, *x.shape[2:])
     return temporal_conv(torch.cat([past, x], 1), weight, same_document).sum(-1)
 
 
-def reference_cc_read(state, weight, read):
+def reference_cc_read(state, weight, read, op=None):
+    """The readable CC read; `op` (the model's native op) is not used here."""
     return channel_conv(state, weight) @ read.to(state.dtype)
 
 
