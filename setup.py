@@ -52,7 +52,7 @@ setup(
             "pytest-xdist>=3.5",  # the README's test command runs the suite on two workers
             "hypothesis>=6.100",
             "ruff>=0.6",
-            "scipy>=1.10",  # the studies' confidence intervals (studies/bench_pretrain.py, bench_finetune.py)
+            "scipy>=1.10",  # the studies' confidence intervals (ddl_lab/studies/bench_pretrain.py, bench_finetune.py)
             # DeltaNet ONNX export test (torch.onnx.export(dynamo=True) + onnxruntime)
             "onnx>=1.17",
             "onnxscript>=0.3",

@@ -280,8 +280,8 @@ def _read_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 # Each op twice over the same functions: a `torch.library` custom op (what torch.compile, export and fake tensors see:
 # one node) and, in eager mode, a plain autograd.Function. The custom op's Python dispatch costs ~0.3 ms of host time
-# a residual on a 2-core CPU (forward and backward, kernels stubbed; benchmarks/bench_launches.py), more than the
-# tensor ops it replaces.
+# a residual on a 2-core CPU (forward and backward, kernels stubbed; ddl_lab/benchmarks/bench_launches.py), more than
+# the tensor ops it replaces.
 # ----------------------------------------------------------------------------------------------------------------
 
 

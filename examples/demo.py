@@ -16,7 +16,7 @@
 What it proves: the conversion is exact, the whole Hugging Face path works, and the gates open during
 fine-tuning. What it cannot: quality. The default base is tiny and briefly trained, so perplexities in the hundreds
 to thousands and word-salad samples are expected, for GPT-2 and DeltaGPT alike; whether Deep Delta Learning helps
-is answered by the study (README, "Does DDL help?": studies/bench_pretrain.py and bench_finetune.py). The
+is answered by the study (README, "Does DDL help?": ddl_lab/studies/bench_pretrain.py and bench_finetune.py). The
 same seed gives bit-identical results, whether the base was just pretrained or loaded from the cache.
 
 (*) Measured on 2 idle CPU cores, torch's default threads (docs/workflows.md, "Demo timing").
@@ -173,7 +173,7 @@ def closing_note(small_base: bool, max_abs_logit_diff: float) -> str:
     return (
         f"{shown}\nWhat it cannot show: quality. The small base (a few million parameters, pretrained for minutes "
         "on a CPU) has perplexities in the hundreds to thousands and samples word salad, GPT-2 and DeltaGPT alike.\n"
-        "Does Deep Delta Learning help? See the study: README, 'Does DDL help?' (studies/results/pretrain.md, "
+        "Does Deep Delta Learning help? See the study: README, 'Does DDL help?' (ddl_lab/studies/results/pretrain.md, "
         "finetune.md)."
     )
 

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 import ddl_hf
+from ddl_lab.builders import LLAMA_TINY, open_gates  # the lab's, shared with the tests
 
 VOCAB = 97
 
@@ -164,19 +165,6 @@ def delta_model(
     return ddl_hf.DeltaGPTForCausalLM(config).eval()
 
 
-def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give every Delta block a random, token-dependent beta in (0, 2) and a non-trivial value map."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, ddl_hf.DeltaResidual):
-                module.beta_open.fill_(0.5 + 0.5 * torch.rand((), generator=generator).item())
-                for param in module.beta_proj.parameters():
-                    param.copy_(torch.randn(param.shape, generator=generator))
-                if module.v_proj is not None:  # None with delta_value="constant"
-                    module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))
-
-
 def variant_model(seed: int = 0, **overrides) -> ddl_hf.DeltaGPTForCausalLM:
     """A DeltaGPT of the variant `overrides` with open gates and random convolution weights: every part of the
     variant acts on the output."""
@@ -230,20 +218,6 @@ def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 
 # ---- DeltaLlama: tiny Llama-family sources (transformers' own classes) and their conversions ----------------------
 
-#: 2 layers, hidden 32, 4 heads over 2 KV heads (GQA), eager-equivalent sdpa on CPU.
-LLAMA_TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 #: Each family with what makes it differ: RoPE scaling (Llama), a sliding window shorter than the test sequences
 #: (Mistral everywhere, Qwen2/Qwen3 on their second layer), attention biases (Qwen2), QK-norm (Qwen3, built in).
 LLAMA_FAMILIES = {

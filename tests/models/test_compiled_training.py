@@ -4,7 +4,7 @@ and gradients equal eager's within float32 rounding, a second and a third sequen
 compilations than dynamo's automatic dynamic shapes need, and `Trainer(torch_compile=True)` takes a step.
 
 The backend is `aot_eager`: dynamo's capture and AOT autograd's joint forward-backward graph, which is what decides
-graph breaks, without inductor's code generation (minutes per variant on 2 CPU cores; `checks/gpu_check.py`
+graph breaks, without inductor's code generation (minutes per variant on 2 CPU cores; `ddl_lab/checks/gpu_check.py`
 compiles with inductor on a device). GPT-2 and Llama are the controls. A host read that steers the computation
 (`if float(h.abs().max()) > ...` in the Delta residual) fails here; one whose value is unused is captured by dynamo
 as a scalar output and does not: tests/models/test_no_host_sync.py checks eager forward and backward for any host read.

@@ -3,7 +3,7 @@ and one compressor per block, and the preset that assembles their configuration 
 
 References are independent of the implementation: closed-form float64 expressions of their update, the formulas of
 their initialisation, and their parameter-count formulas (docs/variants.md, "The reference preset"). The side-by-side
-run against their own modules is `checks/compare_reference.py` (it needs their code, which CI cannot fetch).
+run against their own modules is `ddl_lab/checks/compare_reference.py` (it needs their code, which CI cannot fetch).
 """
 
 from __future__ import annotations

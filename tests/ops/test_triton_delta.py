@@ -15,7 +15,8 @@ of the same residual), in float64:
 - `torch.library.opcheck` (schema, fake tensors, autograd registration, AOT dispatch) of every op;
 - models: DeltaGPT and DeltaLlama with "triton" against "eager", logits and every gradient, for d_v 1 / 4, paper /
   additive, write-only, CC + EC, TC; and a compiled (fullgraph) training step, one op node per residual.
-What a CPU cannot say: any speed (benchmarks/bench_launches.py counts launches; `checks/gpu_check.py` times a GPU).
+What a CPU cannot say: any speed (`ddl_lab.benchmarks.bench_launches` counts launches; `ddl_lab.checks.gpu_check`
+times a GPU).
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""benchmarks/bench_code_versions.py: another checkout's Hub files against the installed code, same weights."""
+"""ddl_lab/benchmarks/bench_code_versions.py: another checkout's Hub files against the installed code, same weights."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ddl_lab.benchmarks import bench_code_versions as bench
+from ddl_lab.builders import SHAPES, build_pair
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_code_versions as bench  # noqa: E402
-from bench_overhead import SHAPES, build_pair  # noqa: E402
 
 
 def test_the_other_version_is_the_same_model_with_the_other_files_classes():
@@ -32,7 +31,7 @@ def test_a_run_writes_both_pairs_with_provenance(tmp_path):
     argv = ["--code", str(ROOT), "--shape", "tiny", "--pairs", "1", "--gen-pairs", "1", "--gen-tokens", "2"]
     bench.main([*argv, "--out", str(tmp_path)])
     results = json.loads((tmp_path / "code_versions.json").read_text())
-    assert results["provenance"]["command"].startswith("python benchmarks/bench_code_versions.py --code")
+    assert results["provenance"]["command"].startswith("python -m ddl_lab.benchmarks.bench_code_versions --code")
     assert set(results["rows"]) == {"other vs other (A/A)", "other vs this"}
     for row in results["rows"].values():
         for metric in ("train_step", "generation_b1"):

@@ -1,19 +1,15 @@
-"""benchmarks/bench_decode_step.py: one cached decoding step, timed against GPT-2 and an A/A twin."""
+"""ddl_lab/benchmarks/bench_decode_step.py: one cached decoding step, timed against GPT-2 and an A/A twin."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_decode_step as bench  # noqa: E402
-from bench_overhead import SHAPES, build_pair  # noqa: E402
+from ddl_lab.benchmarks import bench_decode_step as bench
+from ddl_lab.builders import SHAPES, build_pair
 
 
 @pytest.mark.parametrize("value_channels", [1, 4])
@@ -60,7 +56,7 @@ def test_the_median_interval_is_the_tightest_with_95_percent_coverage(n):
 def test_a_quick_run_writes_every_row_with_its_breakdown_and_provenance(tmp_path):
     bench.main(["--quick", "--variants", "1:additive", "4:paper", "--profile", "--no-native", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "decode_step_quick.json").read_text())
-    assert results["provenance"]["command"].startswith("python benchmarks/bench_decode_step.py --quick")
+    assert results["provenance"]["command"].startswith("python -m ddl_lab.benchmarks.bench_decode_step --quick")
     assert not results["native"] and results["delta_implementation"] == "eager"
     assert [(r["value_channels"], r["mode"]) for r in results["rows"]] == [(1, "additive"), (4, "paper")]
     for row in results["rows"]:

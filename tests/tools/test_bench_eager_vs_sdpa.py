@@ -1,21 +1,16 @@
-"""benchmarks/bench_eager_vs_sdpa.py end to end: every row, its provenance, and differences that are fp16's."""
+"""ddl_lab/benchmarks/bench_eager_vs_sdpa.py end to end: every row, its provenance, and differences that are fp16's."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_eager_vs_sdpa as bench  # noqa: E402
+from ddl_lab.benchmarks import bench_eager_vs_sdpa as bench
 
 
 def test_a_run_writes_every_row_with_provenance(tmp_path):
     bench.main(["--out", str(tmp_path)])
     results = json.loads((tmp_path / "eager_vs_sdpa.json").read_text())
-    assert results["provenance"]["command"].startswith("python benchmarks/bench_eager_vs_sdpa.py")
+    assert results["provenance"]["command"].startswith("python -m ddl_lab.benchmarks.bench_eager_vs_sdpa")
     assert [(r["model"], r["inputs"]) for r in results["rows"]] == [
         (model, inputs) for model in bench.MODELS for inputs in ("plain", "left-padded, no mask")
     ]

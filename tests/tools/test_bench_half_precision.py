@@ -1,17 +1,13 @@
-"""benchmarks/bench_half_precision.py --quick: every row with its error ratios, the tiny-h case, and provenance."""
+"""ddl_lab/benchmarks/bench_half_precision.py --quick: each row with its error ratios, the tiny-h case, provenance."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_half_precision as bench  # noqa: E402
+from ddl_lab.benchmarks import bench_half_precision as bench
 
 
 @pytest.mark.slow
@@ -20,7 +16,7 @@ def test_quick_run_writes_every_row_with_ratios_and_provenance(tmp_path):
     results = json.loads((tmp_path / "half_precision.json").read_text())
 
     prov = results["provenance"]
-    assert prov["command"].startswith("python benchmarks/bench_half_precision.py --quick")
+    assert prov["command"].startswith("python -m ddl_lab.benchmarks.bench_half_precision --quick")
     assert {"command", "git", "machine", "versions", "date"} <= set(prov)
 
     expected = {
@@ -50,5 +46,5 @@ def test_quick_run_writes_every_row_with_ratios_and_provenance(tmp_path):
         assert row["k_from_rounded_h"]["max"] <= 2 * row["h_rounding_relative_error"]["max"] + 1e-6
 
     report = (tmp_path / "half_precision.md").read_text()
-    assert "> Command: `python benchmarks/bench_half_precision.py --quick" in report
+    assert "> Command: `python -m ddl_lab.benchmarks.bench_half_precision --quick" in report
     assert "| fp16 |" in report and "| autocast-bf16 |" in report

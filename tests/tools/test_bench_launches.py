@@ -1,4 +1,4 @@
-"""benchmarks/bench_launches.py: launches per step on the GPU's route, the compiled step's GEMMs, host time.
+"""ddl_lab/benchmarks/bench_launches.py: launches per step on the GPU's route, the compiled step's GEMMs, host time.
 
 The script switches Triton's interpreter on before Triton is imported, so it runs in a process of its own (`--quick`:
 two variants, two timed steps). The counts are exact, not timed: the launch goals of the one-op issue are held here
@@ -28,7 +28,7 @@ def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("launches")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "benchmarks/bench_launches.py", "--quick", "--steps", "2", "--out", str(out)],
+        [sys.executable, "-m", "ddl_lab.benchmarks.bench_launches", "--quick", "--steps", "2", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -63,7 +63,7 @@ def test_the_compiled_step_has_no_gemm_inside_a_residual(results):
 
 
 def test_host_time_rows_and_provenance_are_recorded(results):
-    assert results["provenance"]["command"].startswith("python benchmarks/bench_launches.py")
+    assert results["provenance"]["command"].startswith("python -m ddl_lab.benchmarks.bench_launches")
     host = results["host_time"]
     assert set(host) == {"A/A (gpt2 / gpt2)", *GOALS}
     assert all(ratio > 0 for row in host.values() for ratio in row.values())

@@ -1,18 +1,13 @@
-"""benchmarks/bench_memory.py: peak training memory of each variant against its baseline, end to end on tiny shapes."""
+"""ddl_lab/benchmarks/bench_memory.py: peak training memory of each variant against its baseline, on tiny shapes."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_memory as bench  # noqa: E402
-
-from ddl_hf import DeltaGPTConfig  # noqa: E402
+from ddl_hf import DeltaGPTConfig
+from ddl_lab.benchmarks import bench_memory as bench
 
 
 @pytest.mark.parametrize("variant", ["dv1", "cc", "tc", "tc_ec"])

@@ -1,21 +1,15 @@
-"""studies/bench_pretrain.py: its statistics against closed forms, and the whole study pipeline at toy size."""
+"""ddl_lab/studies/bench_pretrain.py: its statistics against closed forms, and the whole study pipeline at toy size."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "studies"))
-import bench_finetune  # noqa: E402
-import bench_pretrain  # noqa: E402
+from ddl_lab.studies import bench_finetune, bench_pretrain
 
 
 def test_paired_difference_is_the_t_interval():

@@ -1,22 +1,17 @@
-"""studies/bench_pretrain_controls.py: the write-only twins, the plan, and the `--quick` pipeline end to end."""
+"""ddl_lab/studies/bench_pretrain_controls.py: the write-only twins, the plan, and the `--quick` pipeline end to end."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "studies"))
-import bench_pretrain  # noqa: E402
-import bench_pretrain_controls as controls  # noqa: E402
-import bench_pretrain_scaling as scaling  # noqa: E402
+from ddl_lab.studies import bench_pretrain
+from ddl_lab.studies import bench_pretrain_controls as controls
+from ddl_lab.studies import bench_pretrain_scaling as scaling
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""studies/bench_pretrain_length.py: plan, rate search and trend against closed forms; `--quick` end to end."""
+"""ddl_lab/studies/bench_pretrain_length.py: plan, rate search and trend against closed forms; `--quick` end to end."""
 
 from __future__ import annotations
 
@@ -6,20 +6,15 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "studies"))
-import bench_pretrain  # noqa: E402
-import bench_pretrain_length as length  # noqa: E402
-import bench_pretrain_scaling as scaling  # noqa: E402
+from ddl_lab.studies import bench_pretrain
+from ddl_lab.studies import bench_pretrain_length as length
+from ddl_lab.studies import bench_pretrain_scaling as scaling
 
 
 def test_full_plan_spans_sixteenfold_with_disjoint_seeds_and_study_2s_first_cell():

@@ -1,4 +1,4 @@
-"""studies/bench_pretrain_scaling.py: its plan, statistics and report against runs whose differences are known.
+"""ddl_lab/studies/bench_pretrain_scaling.py: its plan, statistics and report against runs whose differences are known.
 
 The runs are synthetic (`bench_pretrain.train_one` and the data are replaced): each variant's final loss is the
 baseline's plus a chosen difference per width and learning rate, so every number the analysis reports has a
@@ -10,17 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ddl_lab.studies import bench_pretrain
+from ddl_lab.studies import bench_pretrain_scaling as scaling
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "studies"))
-import bench_pretrain  # noqa: E402
-import bench_pretrain_scaling as scaling  # noqa: E402
 
 #: Δ to the baseline per variant at the smallest / middle / largest width (shared learning rate)
 DELTA = {

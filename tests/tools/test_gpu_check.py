@@ -1,4 +1,4 @@
-"""checks/gpu_check.py: its tiny CPU mode runs every section's code path and writes every result.
+"""ddl_lab/checks/gpu_check.py: its tiny CPU mode runs every section's code path and writes every result.
 
 The run is a subprocess in which `datasets` cannot be imported, as on the GPU machine the check is written for.
 Two variants keep it short and still cover both families, d_v = 4, paper mode, the TC read and a compiled training
@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "checks"))
-import gpu_check
+from ddl_lab.checks import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "checks" / "gpu_check.py"
+SCRIPT = ROOT / "ddl_lab" / "checks" / "gpu_check.py"
 
 VARIANTS = ("paper-dv4-tc", "llama-paper-dv4")
 # sys.modules[name] = None makes `import name` fail, as where the package is not installed.
@@ -49,7 +48,7 @@ def run(tmp_path_factory) -> tuple[dict, str]:
 def test_results_say_where_they_come_from(run):
     results, md = run
     provenance = results["provenance"]
-    assert "checks/gpu_check.py --device cpu --tiny" in provenance["command"]
+    assert "python -m ddl_lab.checks.gpu_check --device cpu --tiny" in provenance["command"]
     assert "commit" in provenance["git"]
     assert provenance["versions"]["torch"] == torch.__version__ and provenance["versions"]["transformers"]
     assert results["device"]["device"] == "cpu" and results["device"]["name"]
@@ -167,8 +166,7 @@ def test_budget_guard_skips_the_rows_past_the_budget():
 # Under Triton's interpreter (set before Triton is imported: a fresh interpreter), the real op, tiny.
 TRITON_SCRIPT = """
 import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-import gpu_check
+from ddl_lab.checks import gpu_check
 device = torch.device("cpu")
 assert gpu_check.triton_unavailable(device) is None
 shape = dict(gpu_check.TINY["cost"], seq=16)
@@ -190,7 +188,7 @@ def test_the_triton_ops_calls_are_counted_under_the_interpreter():
     sees one op call per Delta residual forward, none with "eager"."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, str(ROOT / "checks")],
+        [sys.executable, "-c", TRITON_SCRIPT],
         cwd=ROOT,
         env=env,
         capture_output=True,
