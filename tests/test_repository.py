@@ -9,7 +9,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
-DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The front door, the docs, and the lab's results logs and READMEs (the dated measurements the docs link to).
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "ddl_lab").glob("*/results/README.md")),
+    ROOT / "ddl_lab" / "benchmarks" / "results" / "performance_log.md",
+]
 README_MAX_LINES = 200
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

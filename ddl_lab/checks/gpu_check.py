@@ -1,13 +1,13 @@
 """One-command cost report of DeltaGPT / DeltaLlama on an accelerator: time, kernel launches and memory against
 GPT-2 / Llama. Correctness and host synchronisation are tests: `python -m pytest -m gpu` on the GPU (tests/gpu).
 
-    python checks/gpu_check.py                        # on the GPU; sized for under 8 minutes on one H100
-    python checks/gpu_check.py --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
-    python checks/gpu_check.py --sections triton      # one section
-    TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --tiny --sections triton   # Triton's op, on the CPU
+    python -m ddl_lab.checks.gpu_check                        # on the GPU; sized for under 8 minutes on one H100
+    python -m ddl_lab.checks.gpu_check --device cpu --tiny    # the same code paths on the CPU, tiny shapes, 1-2 pairs
+    python -m ddl_lab.checks.gpu_check --sections triton      # one section
+    TRITON_INTERPRET=1 python -m ddl_lab.checks.gpu_check --device cpu --tiny --sections triton  # on the CPU
 
 Models are built from their configs (random weights, the Delta model sharing every baseline weight), data from random
-token ids: nothing is downloaded, nothing imports `datasets`. Results: `checks/results/gpu_check.{json,md}` (or
+token ids: nothing is downloaded, nothing imports `datasets`. Results: `ddl_lab/checks/results/gpu_check.{json,md}` (or
 `--out DIR`) with command, commit, machine, device and versions. A failing section or row is recorded as an error.
 
 - profile: one eager training step of GPT-2 and two Delta variants at the 124M shape under torch.profiler: wall time
