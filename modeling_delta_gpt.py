@@ -9,7 +9,8 @@ parameter names carry over; only the Delta parameters are new.
 Reads top to bottom like `modeling_gpt2.py`: the block (eq. 2.5 twice: read, norm, sublayer, Delta update), the
 output classes, the pretrained base, the model and its heads. The reads live in `delta_reads.py`, the residual in
 `delta_layers.py`, what both families add around their layers in `delta_model.py`, the task heads of both families in
-`delta_heads.py`, the DeltaNet token mixer in `delta_net.py`, the math in `delta_ops.py`.
+`delta_heads.py`, the DeltaNet token mixer in `delta_net.py`, the state carried across tokens in `delta_state.py`,
+the math in `delta_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
 `save_pretrained` copies next to the weights. Whatever differs between transformers / torch releases is absorbed in
@@ -53,6 +54,7 @@ from .delta_layers import DeltaResidual
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_net import DeltaNetAttention
 from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
+from .delta_state import READ_OUT_WINDOW, block_windows
 
 
 class DeltaGPTAttention(GPT2Attention):
@@ -107,7 +109,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         hidden_size = config.hidden_size
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
         self.layer_idx = layer_idx
-        self.windows = (f"h.{layer_idx}.attn", f"h.{layer_idx}.mlp")  # where the cache keeps TC reads' last inputs
+        self.windows = block_windows(layer_idx)  # where the cache keeps TC reads' last inputs
 
         self.attn_read = DeltaRead(config)
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
@@ -345,7 +347,7 @@ class DeltaGPTModel(DeltaStackMixin, DeltaGPTPreTrainedModel):
             )
 
         final_state = hidden_states
-        hidden_states = self.ln_f(self.read_out(hidden_states, delta_context, "read_out"))
+        hidden_states = self.ln_f(self.read_out(hidden_states, delta_context, READ_OUT_WINDOW))
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
 
         return DeltaGPTModelOutput(
