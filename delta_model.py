@@ -31,6 +31,7 @@ from .delta_compat import (
 # isort: split
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationMode
 
 from .delta_layers import (
@@ -117,8 +118,19 @@ class _ReadInGraph(torch.autograd.Function):
 
 class DeltaStackMixin:
     """The Delta steps a base model adds around its stack of layers (DeltaGPT, DeltaLlama): the cache, the context of
-    the temporal convolutions, X_0 from the embedding, the state records for the outputs. Needs `value_channels`,
-    `embed_expand` and `read_out` (a `DeltaRead`) on the model."""
+    the temporal convolutions, X_0 from the embedding, the state records for the outputs. The model builds its
+    `embed_expand` and `read_out` with `init_state_modules`, and sets `state_plan` (`DeltaPreTrainedMixin`)."""
+
+    def init_state_modules(self, config: PreTrainedConfig) -> None:
+        """The stack's own Delta modules: EC's expansion of the embedding into the state (None: a repeat over the
+        value channels) and the read-out of the last state for the final norm (docs/variants.md)."""
+        self.value_channels = config.delta_value_channels
+        self.embed_expand = (
+            DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)
+            if config.delta_embed_expand == "conv"
+            else None
+        )
+        self.read_out = DeltaRead(config)
 
     def delta_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
         """The cache to run with: a new one of the kind the variant needs when asked for (`use_cache`), else the given

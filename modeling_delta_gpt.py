@@ -53,7 +53,7 @@ from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassificati
 from .delta_layers import DeltaResidual
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_net import DeltaNetAttention
-from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
+from .delta_reads import DeltaConvContext, DeltaRead
 from .delta_state import READ_OUT_WINDOW, block_windows
 
 
@@ -234,18 +234,12 @@ class DeltaGPTModel(DeltaStackMixin, DeltaGPTPreTrainedModel):
         super().__init__(config)
         config.validate_delta()
         self.embed_dim = config.hidden_size
-        self.value_channels = config.delta_value_channels
 
         self.wte = nn.Embedding(config.vocab_size, self.embed_dim)
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([DeltaGPTBlock(config, layer_idx=i) for i in range(config.num_hidden_layers)])
-        # EC expands the embedding into the state; the read-out reads the last state for ln_f (docs/variants.md).
-        size = config.delta_conv_size
-        self.embed_expand = (
-            DeltaEmbedExpand(self.embed_dim, self.value_channels, size) if config.delta_embed_expand == "conv" else None
-        )
-        self.read_out = DeltaRead(config)
+        self.init_state_modules(config)  # EC's expansion of the embedding, the read-out for ln_f
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
 
         self.gradient_checkpointing = False

@@ -60,7 +60,7 @@ from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassification, DeltaForTokenClassification
 from .delta_layers import DeltaResidual, spectral_std
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
-from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
+from .delta_reads import DeltaConvContext, DeltaRead
 from .delta_state import READ_OUT_WINDOW, block_windows
 
 
@@ -209,18 +209,11 @@ class DeltaLlamaModel(DeltaStackMixin, DeltaLlamaPreTrainedModel):
         family = family_modules(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.value_channels = config.delta_value_channels
         self.layer_types = attention_layer_types(config)
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([DeltaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        # EC expands the embedding into the state; the read-out reads the last state for the norm (docs/variants.md).
-        self.embed_expand = (
-            DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)
-            if config.delta_embed_expand == "conv"
-            else None
-        )
-        self.read_out = DeltaRead(config)
+        self.init_state_modules(config)  # EC's expansion of the embedding, the read-out for the norm
         self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = family.rotary(config=config)
         self.gradient_checkpointing = False

@@ -42,7 +42,7 @@ from vllm.sequence import IntermediateTensors
 
 from .delta_layers import DeltaResidual
 from .delta_model import RENAMED_WEIGHTS, DeltaPreTrainedMixin, DeltaStackMixin
-from .delta_reads import DeltaEmbedExpand, DeltaRead
+from .delta_reads import DeltaRead
 from .delta_state import READ_OUT_WINDOW, block_windows, state_plan
 from .modeling_delta_llama import attention_layer_types
 from .vllm_windows import DeltaWindowModel, ServingWindows, align_state_blocks, build_windows
@@ -162,13 +162,7 @@ class VllmDeltaStack(DeltaStackMixin, nn.Module):
         # The tensor ops, which vLLM's compilation fuses: the Triton ops of `delta_implementation="auto"` have not
         # run inside vLLM's compiled graphs and CUDA graphs yet. Set before any Delta module reads it.
         config.delta_implementation = "eager"
-        self.value_channels = config.delta_value_channels
-        self.embed_expand = (
-            DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)
-            if config.delta_embed_expand == "conv"
-            else None
-        )
-        self.read_out = DeltaRead(config)
+        self.init_state_modules(config)
         self.delta_windows, self.serving_windows = build_windows(config, vllm_config, prefix)
 
     def read_out_state(self, state: torch.Tensor) -> torch.Tensor:
