@@ -371,8 +371,8 @@ class DeltaPreTrainedMixin:
         if model_kwargs.get(CACHE_ARG) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         implementation = generation_config.cache_implementation
-        if implementation == "static" and keeper.static_form is not None:  # transformers' StaticCache, sized by
-            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # generate
+        if implementation == "static" and keeper.static_form is not None:  # sized as generate sizes a StaticCache
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
             length = model_kwargs[CACHE_ARG].layers[0].max_cache_len
             model_kwargs[CACHE_ARG] = keeper.static_form(self.config, max_cache_len=length)
             return None
