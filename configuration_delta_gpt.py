@@ -1,6 +1,7 @@
 """DeltaGPT configuration: GPT-2's config plus the Deep Delta Learning residual settings.
 
-Self-contained Hub custom-code file: it imports only torch, transformers and its sibling `delta_compat.py`.
+Self-contained Hub custom-code file: it imports only torch, transformers and its siblings `delta_compat.py` and
+`delta_state.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from .delta_compat import MINIMUM_TRANSFORMERS  # noqa: F401
 
 # isort: split
 from transformers import GPT2Config
+
+from .delta_state import state_plan
 
 DELTA_MODES = ("additive", "paper")
 DELTA_GATES = ("linear", "mlp")
@@ -240,8 +243,9 @@ class DeltaResidualConfigMixin:
 
     @property
     def delta_temporal(self) -> bool:
-        """Whether a variant convolves over tokens, so that generation must cache recent states or embeddings."""
-        return self.delta_state_read == "temporal_conv" or self.delta_embed_expand == "conv"
+        """Whether a variant convolves over tokens (TC, EC), so that generation must cache recent states or
+        embeddings: whether its `state_plan` has windows."""
+        return bool(state_plan(self).windows)
 
 
 class DeltaGPTConfig(GPT2Config, DeltaResidualConfigMixin):

@@ -4,8 +4,8 @@ What a Delta base model adds around its stack of blocks (`DeltaStackMixin`: the 
 packed and padded rows, the expansion of the embedding, the records behind `hidden_states` / `expanded_states`, the
 read-out before the final norm), and what its `PreTrainedModel` base adds (`DeltaPreTrainedMixin`: which modules and
 parameters are Delta, their initialisation, the cache `generate` needs, the names older directories saved the reads
-under). Also the input checks and the serving-engine policy. The layers are in `delta_layers.py` and
-`delta_reads.py`, the math in `delta_ops.py`.
+under). Also the input checks. What the model carries across tokens is its `StatePlan` (`delta_state.py`); the
+layers are in `delta_layers.py` and `delta_reads.py`, the math in `delta_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
 `save_pretrained` copies next to the weights.
@@ -41,7 +41,7 @@ from .delta_layers import (
     init_delta_residual_exactly,
     resolve_delta_init,
 )
-from .delta_net import NO_CACHE_ROLLBACK, DeltaNetCache, require_delta_net_cache
+from .delta_net import DeltaNetCache
 from .delta_ops import prepare_delta_kernels
 from .delta_reads import (
     DeltaConvContext,
@@ -49,8 +49,13 @@ from .delta_reads import (
     DeltaRead,
     DeltaStateCache,
     DeltaStateConv,
-    DeltaStaticStateCache,
-    DeltaWindowsMixin,
+    WindowSource,
+)
+from .delta_state import (
+    StatePlan,
+    packed_document_starts,
+    refuse_state_across_tokens_in_serving_engines,
+    state_plan,
 )
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -73,9 +78,13 @@ class DeltaOutputs:
     expanded_states: tuple[torch.FloatTensor, ...] | None = None
 
 
-def uses_delta_net(config: PreTrainedConfig) -> bool:
-    """Whether the token mixer is DeltaNet (DeltaGPT's `token_mixer="delta_net"`; DeltaLlama always attends)."""
-    return getattr(config, "token_mixer", "attention") == "delta_net"
+def state_cache_class(plan: StatePlan) -> type[DeltaStateCache | DeltaNetCache] | None:
+    """The cache class that keeps `plan`'s state across tokens, and says what `generate` may do with it (`require`,
+    `rolls_back`, `static_form`, `refuse_rollback`): DeltaNet's (its recurrent states, and any windows), the windows'
+    (TC / EC), or None (transformers' own caches)."""
+    if plan.recurrent:
+        return DeltaNetCache
+    return DeltaStateCache if plan.windows else None
 
 
 @dataclass
@@ -109,8 +118,19 @@ class _ReadInGraph(torch.autograd.Function):
 
 class DeltaStackMixin:
     """The Delta steps a base model adds around its stack of layers (DeltaGPT, DeltaLlama): the cache, the context of
-    the temporal convolutions, X_0 from the embedding, the state records for the outputs. Needs `value_channels`,
-    `embed_expand` and `read_out` (a `DeltaRead`) on the model."""
+    the temporal convolutions, X_0 from the embedding, the state records for the outputs. The model builds its
+    `embed_expand` and `read_out` with `init_state_modules`, and sets `state_plan` (`DeltaPreTrainedMixin`)."""
+
+    def init_state_modules(self, config: PreTrainedConfig) -> None:
+        """The stack's own Delta modules: EC's expansion of the embedding into the state (None: a repeat over the
+        value channels) and the read-out of the last state for the final norm (docs/variants.md)."""
+        self.value_channels = config.delta_value_channels
+        self.embed_expand = (
+            DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)
+            if config.delta_embed_expand == "conv"
+            else None
+        )
+        self.read_out = DeltaRead(config)
 
     def delta_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
         """The cache to run with: a new one of the kind the variant needs when asked for (`use_cache`), else the given
@@ -118,23 +138,12 @@ class DeltaStackMixin:
         forward (training mode, autograd on) builds none of those that carry state across tokens unless given one:
         their windows and states would cost each read a copy of the state, for a cache nobody decodes from. GPT-2's
         key-value cache (references, no copy) is built as transformers builds it."""
-        config = self.config
-        delta_net = uses_delta_net(config)
+        keeper = state_cache_class(self.state_plan)
         training = self.training and torch.is_grad_enabled()
-        if use_cache and cache is None and not (training and (delta_net or config.delta_temporal)):
-            if delta_net:
-                cache = DeltaNetCache(config)
-            else:
-                cache = DeltaStateCache(config) if config.delta_temporal else DynamicCache(config=config)
-        if delta_net:
-            require_delta_net_cache(cache)
-        elif config.delta_temporal and cache is not None and not isinstance(cache, DeltaWindowsMixin):
-            raise TypeError(
-                f"delta_state_read={config.delta_state_read!r} / delta_embed_expand="
-                f"{config.delta_embed_expand!r} convolve over tokens and need a cache that keeps their windows, "
-                f"got {type(cache).__name__}; pass cache=DeltaStateCache(model.config) (static: "
-                "DeltaStaticStateCache(model.config, max_cache_len=...)) or let the model create it (use_cache=True)."
-            )
+        if use_cache and cache is None and not (training and keeper is not None):
+            cache = DynamicCache(config=self.config) if keeper is None else keeper(self.config)
+        if keeper is not None:
+            keeper.require(cache)
         return cache
 
     def delta_context(
@@ -149,16 +158,15 @@ class DeltaStackMixin:
         """What runs over tokens needs besides its input: the 2-D padding mask, the cache of the convolution windows
         (not under gradient checkpointing, whose recomputed layers must not write twice), and where packed documents
         start (`position_ids` restarting at 0, flash-attention's `cu_seq_lens` kwargs)."""
-        config = self.config
-        starts = None
-        if config.delta_temporal or uses_delta_net(config):
+        plan, starts = self.state_plan, None
+        if plan.across_tokens:
             cu_seq_lens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
             starts = packed_document_starts(position_ids, cu_seq_lens, shape, past_seen_tokens)
         two_d = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
         checkpointing = self.gradient_checkpointing and self.training
         return DeltaConvContext(
             token_mask=attention_mask if two_d else None,
-            cache=cache if config.delta_temporal and not checkpointing else None,
+            cache=cache if plan.windows and not checkpointing else None,
             document_starts=starts,
         )
 
@@ -173,7 +181,7 @@ class DeltaStackMixin:
         hidden = None if hidden is None or hidden is False else hidden
         return StateRecords(hidden, expanded) if hidden is not None or expanded else None
 
-    def expand_state(self, embeddings: torch.Tensor, context: DeltaConvContext) -> torch.Tensor:
+    def expand_state(self, embeddings: torch.Tensor, context: WindowSource) -> torch.Tensor:
         """X_0: the embedding itself (d_v = 1), convolved into the channels (EC), or repeated over them (a view)."""
         if self.embed_expand is not None:
             return self.embed_expand(embeddings, context)
@@ -228,53 +236,6 @@ def check_token_ids(input_ids: torch.Tensor | None, vocab_size: int) -> None:
     )
 
 
-def packed_document_starts(
-    position_ids: torch.Tensor | None,
-    cu_seq_lens: torch.Tensor | None,
-    shape: tuple[int, int],
-    past_seen_tokens: int,
-) -> torch.Tensor | None:
-    """Where documents start in packed rows, `[B, T]` bool, for what runs over tokens (the DeltaNet mixer's state and
-    short convolution, the TC / EC convolutions of the residual state); None when nothing can start.
-
-    Packed / padding-free batches (trl `packing=True`, `DataCollatorWithFlattening`) put several documents in one
-    row: a document starts where the caller's `position_ids` restart at 0, and at every `cu_seq_lens` boundary
-    (cumulative lengths over the flattened batch, as flash-attention kwargs). A cache that already holds tokens
-    cannot be continued by a new document (its state belongs to the previous one): refused, on the device.
-    """
-    if position_ids is None and cu_seq_lens is None:
-        return None
-    # A static cache's length is a tensor once it holds tokens (compiled decoding): checked on the device, not read.
-    on_device = isinstance(past_seen_tokens, torch.Tensor)
-    if cu_seq_lens is not None and (on_device or past_seen_tokens):
-        raise ValueError(
-            f"Packed input (cu_seq_lens) cannot continue a cache that already holds {past_seen_tokens} tokens, whose "
-            "recurrent state / convolution windows belong to the previous document. Run packed rows without a cache."
-        )
-    device = (position_ids if cu_seq_lens is None else cu_seq_lens).device
-    starts = torch.zeros(shape, dtype=torch.bool, device=device)
-    if position_ids is not None:
-        starts = starts | (position_ids == 0)
-    if cu_seq_lens is not None:
-        # Every boundary but the last marks a start; one slot past the end takes those beyond the tokens.
-        numel = starts.numel()
-        boundaries = cu_seq_lens[:-1].long().clamp(0, numel)
-        marks = torch.zeros(numel + 1, dtype=torch.int32, device=device).index_add_(
-            0, boundaries, torch.ones_like(boundaries, dtype=torch.int32)
-        )
-        starts = starts | (marks[:numel] > 0).view(shape)
-    if on_device or past_seen_tokens:
-        torch._assert_async(
-            ~(starts.any() & (past_seen_tokens > 0)) if on_device else ~starts.any(),
-            "Packed input (position_ids restarting at 0) cannot continue a cache that already holds "
-            f"{'its' if on_device else past_seen_tokens} tokens, whose recurrent state / convolution windows belong to "
-            "the previous document. Run packed rows without a cache (or with an empty one).",
-        )
-        if not on_device:
-            return None  # nothing starts: the usual decoding path
-    return starts
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Directories saved before the reads became modules of the block
 # ----------------------------------------------------------------------------------------------------------------
@@ -304,50 +265,6 @@ class DeltaSite(NamedTuple):
     norm: nn.Module
 
 
-#: `config._attn_implementation` under the serving engines' Transformers backends, which run the model with every
-#: scheduled sequence packed into one row and no cache, so nothing carries over from one decoding step to the next
-#: (vLLM: "vllm", "vllm_mla"; SGLang: "sglang", the same contract, not tested here). docs/serving.md.
-SERVING_ENGINES = {"vllm": "vLLM", "vllm_mla": "vLLM", "sglang": "SGLang"}
-
-
-def state_across_tokens(config: PreTrainedConfig) -> list[str]:
-    """The settings of `config` that carry state from one token to the next (TC, EC, the DeltaNet mixer): what a
-    cache must keep between decoding steps. Empty for every other variant."""
-    settings = []
-    if config.delta_state_read == "temporal_conv":
-        settings.append("delta_state_read='temporal_conv' (TC)")
-    if config.delta_embed_expand == "conv":
-        settings.append("delta_embed_expand='conv' (EC)")
-    if getattr(config, "token_mixer", "attention") == "delta_net":
-        settings.append("token_mixer='delta_net' (DeltaNet)")
-    return settings
-
-
-def refuse_state_across_tokens_in_serving_engines(config: PreTrainedConfig) -> None:
-    """One ValueError, while the engine builds the model, for a variant with state across tokens under a serving
-    engine's Transformers backend: its tokens would differ from `generate`'s without an error. Nothing elsewhere."""
-    engine = SERVING_ENGINES.get(getattr(config, "_attn_implementation", None))
-    settings = state_across_tokens(config)
-    if engine is None or not settings:
-        return
-    name = type(config).__name__.removesuffix("Config")
-    # TC and EC windows are served by ddl-hf's native vLLM models; the DeltaNet mixer by transformers only.
-    native = engine == "vLLM" and getattr(config, "token_mixer", "attention") == "attention"
-    route = (
-        "Install ddl-hf where vLLM runs (pip install 'ddl-hf[vllm]'): its plugin serves this model natively, with "
-        "these states kept per sequence (leave model_impl at its default, not 'transformers'). Or serve it with "
-        if native
-        else "Serve this model with "
-    )
-    raise ValueError(
-        f"{name} with {' and '.join(settings)} carries state across tokens, which {engine}'s Transformers backend "
-        "does not keep between decoding steps (it runs the model without a cache), so its tokens would differ from "
-        f"generate's: refused. {route}transformers (generate, pipeline), or serve a variant without state across "
-        "tokens (delta_state_read='linear' or 'channel_conv', delta_embed_expand='repeat', token_mixer='attention'); "
-        "see ddl-hf's docs/serving.md."
-    )
-
-
 #: The modules that a source checkpoint lacks: their parameters are `delta_parameters()`.
 DELTA_MODULES = (DeltaResidual, DeltaRead, DeltaEmbedExpand)
 
@@ -375,13 +292,16 @@ class DeltaPreTrainedMixin:
     def __init__(self, config, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         refuse_state_across_tokens_in_serving_engines(self.config)
-        if uses_delta_net(config):
-            # Stateful: DeltaNet's recurrent state cannot be rolled back, so generate refuses assisted decoding.
+        #: What this model carries across tokens: every question about it reads this (`delta_state.py`).
+        self.state_plan = state_plan(self.config)
+        keeper = state_cache_class(self.state_plan)
+        # transformers' capability flags, per instance (they depend on the variant): a state that cannot roll back
+        # makes the model stateful (generate refuses assisted decoding); one without a static cache cannot run
+        # transformers' compiled generation, which tools and tests that read the flag skip up front (the refusal in
+        # `_prepare_cache_for_generation` stays). DeltaNet: neither (`DeltaNetCache`); TC / EC: both.
+        if keeper is not None and not keeper.rolls_back:
             self._is_stateful = True
-        if uses_delta_net(config):
-            # transformers' capability flag, per instance (it depends on the variant): the DeltaNet state has no
-            # static cache, so transformers' compiled generation cannot run; tools and tests that read the flag skip it
-            # up front (the refusal in `_prepare_cache_for_generation` stays). TC / EC: `DeltaStaticStateCache`.
+        if keeper is not None and keeper.static_form is None:
             self._can_compile_fullgraph = False
 
     @classmethod
@@ -432,37 +352,38 @@ class DeltaPreTrainedMixin:
         return "" if self.base_model is self else f"{self.base_model_prefix}."
 
     def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
-        """Refuse assisted decoding up front for a DeltaNet model, naming why (transformers' own check says only
-        "stateful model"): it needs to roll the cache back over the rejected draft tokens."""
-        if uses_delta_net(self.config) and generation_mode == GenerationMode.ASSISTED_GENERATION:
-            raise ValueError(NO_CACHE_ROLLBACK.format(role="with assisted / speculative decoding or prompt lookup"))
+        """Refuse assisted decoding up front for a state that cannot roll back over rejected draft tokens (DeltaNet's),
+        naming why (transformers' own check says only "stateful model")."""
+        keeper = state_cache_class(self.state_plan)
+        if keeper is not None and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            keeper.refuse_rollback("with assisted / speculative decoding or prompt lookup")
         return super()._validate_generation_mode(generation_mode, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """`generate` builds a DynamicCache from the config; DeltaNet needs its recurrent-state cache, and a temporal
-        variant the cache that keeps its convolution windows."""
-        config = self.config
-        wants_new_cache = model_kwargs.get(CACHE_ARG) is None and generation_config.use_cache is not False
-        delta_net = uses_delta_net(config)
-        if delta_net:
-            require_delta_net_cache(model_kwargs.get(CACHE_ARG))  # before generate asks it for its length
-            if getattr(generation_config, "is_assistant", False):
-                raise ValueError(NO_CACHE_ROLLBACK.format(role="as the assistant (draft model) of assisted decoding"))
-        if not (delta_net or config.delta_temporal) or not wants_new_cache:
+        """`generate` builds a cache from the config; a model with state across tokens needs the cache that keeps it
+        (`state_cache_class`), or its static form."""
+        keeper = state_cache_class(self.state_plan)
+        if keeper is None:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        keeper.require(model_kwargs.get(CACHE_ARG))  # before generate asks it for its length
+        if getattr(generation_config, "is_assistant", False):
+            keeper.refuse_rollback("as the assistant (draft model) of assisted decoding")
+        if model_kwargs.get(CACHE_ARG) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         implementation = generation_config.cache_implementation
-        if not delta_net and implementation == "static":  # transformers' StaticCache, sized by generate, plus windows
+        if implementation == "static" and keeper.static_form is not None:  # sized as generate sizes a StaticCache
             super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-            static = model_kwargs[CACHE_ARG]
-            model_kwargs[CACHE_ARG] = DeltaStaticStateCache(config, max_cache_len=static.layers[0].max_cache_len)
+            length = model_kwargs[CACHE_ARG].layers[0].max_cache_len
+            model_kwargs[CACHE_ARG] = keeper.static_form(self.config, max_cache_len=length)
             return None
         if implementation not in (None, "dynamic"):
+            settings = " and ".join(self.state_plan.settings)
             raise ValueError(
-                f"cache_implementation={implementation!r} is not supported with token_mixer='delta_net' or a temporal "
-                "Delta variant (their caches keep recurrent states or convolution windows; a temporal variant takes "
-                "'static' too). Leave cache_implementation unset."
+                f"cache_implementation={implementation!r} is not supported with {settings}: its state across tokens "
+                f"is kept by {keeper.__name__}. Leave cache_implementation unset"
+                f"{' (or static)' if keeper.static_form is not None else ''}."
             )
-        model_kwargs[CACHE_ARG] = DeltaNetCache(config) if delta_net else DeltaStateCache(config)
+        model_kwargs[CACHE_ARG] = keeper(self.config)
 
     def delta_sites(self) -> list[DeltaSite]:
         """Every Delta residual with its name, short name and the norm that feeds its sublayer and gate."""
@@ -523,8 +444,5 @@ __all__ = [
     "DeltaStackMixin",
     "StateRecords",
     "check_token_ids",
-    "packed_document_starts",
-    "refuse_state_across_tokens_in_serving_engines",
-    "state_across_tokens",
-    "uses_delta_net",
+    "state_cache_class",
 ]

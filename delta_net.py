@@ -72,10 +72,15 @@ NO_CACHE_ROLLBACK = (
 
 
 class DeltaNetCache(DeltaWindowsMixin, Cache):
-    """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors.
+    """The cache of a `token_mixer="delta_net"` DeltaGPT: one `DeltaNetCacheLayer` per layer, no growing KV tensors
+    (and the windows of a TC / EC variant's convolutions, `DeltaWindowsMixin`).
 
-    `DeltaGPTModel` and `generate` create it; pass one yourself as `cache=DeltaNetCache(config)`.
+    `DeltaGPTModel` and `generate` create it; pass one yourself as `cache=DeltaNetCache(config)`. The rules `generate`
+    follows for the mixer's state are here too: it cannot roll back (no assisted decoding: `_is_stateful`) and has no
+    static form (no compiled generation: `_can_compile_fullgraph`).
     """
+
+    rolls_back = False
 
     def __init__(self, config):
         super().__init__(layers=[DeltaNetCacheLayer() for _ in range(config.num_hidden_layers)])
@@ -104,16 +109,20 @@ class DeltaNetCache(DeltaWindowsMixin, Cache):
             "decoding, prompt lookup and anything else that rolls the cache back need a token_mixer='attention' model)."
         )
 
+    @classmethod
+    def refuse_rollback(cls, role: str) -> None:
+        raise ValueError(NO_CACHE_ROLLBACK.format(role=role))
 
-def require_delta_net_cache(cache: Cache | None) -> None:
-    """A DeltaNet model needs its own cache: transformers' caches built from the config (`DynamicCache`,
-    `StaticCache`) hold `LinearAttentionLayer`s that cannot say how many tokens they absorbed, which GPT-2's
-    position embeddings need."""
-    if cache is not None and not isinstance(cache, DeltaNetCache):
-        raise TypeError(
-            f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
-            "pass cache=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
-        )
+    @classmethod
+    def require(cls, cache: Cache | None) -> None:
+        """A DeltaNet model needs its own cache: transformers' caches built from the config (`DynamicCache`,
+        `StaticCache`) hold `LinearAttentionLayer`s that cannot say how many tokens they absorbed, which GPT-2's
+        position embeddings need."""
+        if cache is not None and not isinstance(cache, DeltaNetCache):
+            raise TypeError(
+                f"A token_mixer='delta_net' model needs a DeltaNetCache, got {type(cache).__name__}; "
+                "pass cache=DeltaNetCache(model.config) or let the model create it (use_cache=True)."
+            )
 
 
 class DeltaNetShortConv(nn.Conv1d):
@@ -188,7 +197,7 @@ class DeltaNetAttention(nn.Module):
         """`document_starts` `[B, T]` bool (packed rows, see `packed_document_starts`): the recurrent state and
         the conv window restart there. The cache comes under GPT2Attention's name (`takes_cache`)."""
         batch, seq_len, _ = hidden_states.shape
-        require_delta_net_cache(cache)
+        DeltaNetCache.require(cache)
         token_mask = None
         if attention_mask is not None:
             token_mask = attention_mask[:, -seq_len:].to(hidden_states.dtype)  # 1 = token, 0 = padding
@@ -257,5 +266,4 @@ __all__ = [
     "DeltaNetCache",
     "DeltaNetCacheLayer",
     "DeltaNetShortConv",
-    "require_delta_net_cache",
 ]

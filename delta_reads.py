@@ -12,6 +12,7 @@ Self-contained Hub custom-code file: it imports only torch, transformers and its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,12 +33,35 @@ from .delta_ops import (
     temporal_conv,
     temporal_conv_read,
 )
+from .delta_state import EMBED_WINDOW
+
+
+class WindowSource(Protocol):
+    """Where the temporal convolutions (TC reads, EC) find the inputs before each token, by the window's key in the
+    model's `StatePlan`: transformers' `DeltaConvContext` (the cache's windows; rows of tokens) or ddl-hf's vLLM route
+    (`ddl_hf.vllm_windows.ServingWindows`: vLLM's per-sequence state; one token per row)."""
+
+    def convolve(self, x: torch.Tensor, key: str, weight: torch.Tensor) -> torch.Tensor:
+        """`temporal_conv` of x `[.., T, D, 1]` over its window at `key`: EC's expansion `[.., T, D, d_v]`."""
+        ...
+
+    def convolve_read(
+        self,
+        x: torch.Tensor,
+        key: str,
+        weight: torch.Tensor,
+        read: torch.Tensor | None = None,
+        kernels: DeltaKernels = TENSOR_OPS,
+    ) -> torch.Tensor:
+        """The TC read of x `[.., T, D, d_v]` (or `[.., T, D]`) over its window at `key`, with the read vector `read`
+        folded into the kernels: `[.., T, D]`."""
+        ...
 
 
 @dataclass
 class DeltaConvContext:
     """What a temporal convolution needs besides its input: the padding mask, the cache holding its windows, and
-    where packed documents start.
+    where packed documents start (transformers' `WindowSource`).
 
     `token_mask` `[B, T]` (1 = token, 0 = padding): padded positions enter the convolution as zeros, the same as the
     zeros before the start of a sequence, so a left-padded prompt reads what it reads alone.
@@ -151,7 +175,7 @@ class DeltaStateConv(nn.Module):
         self,
         state: torch.Tensor,
         read: torch.Tensor | None = None,
-        context: DeltaConvContext | None = None,
+        context: WindowSource | None = None,
         window: str = "",
         kernels: DeltaKernels = TENSOR_OPS,
     ) -> torch.Tensor:
@@ -186,7 +210,7 @@ class DeltaRead(nn.Module):
             else None
         )
 
-    def forward(self, state: torch.Tensor, context: DeltaConvContext | None = None, window: str = "") -> torch.Tensor:
+    def forward(self, state: torch.Tensor, context: WindowSource | None = None, window: str = "") -> torch.Tensor:
         if self.conv is None and self.weights is None:
             return state
         kernels = delta_kernels(self.config.delta_implementation, state)
@@ -211,8 +235,8 @@ class DeltaEmbedExpand(nn.Module):
         weight[..., -1] = 1.0
         return weight
 
-    def forward(self, embeddings: torch.Tensor, context: DeltaConvContext | None) -> torch.Tensor:
-        return (context or DeltaConvContext()).convolve(embeddings.unsqueeze(-1), "embed", self.weight)
+    def forward(self, embeddings: torch.Tensor, context: WindowSource | None) -> torch.Tensor:
+        return (context or DeltaConvContext()).convolve(embeddings.unsqueeze(-1), EMBED_WINDOW, self.weight)
 
 
 class DeltaWindowsMixin:
@@ -227,6 +251,15 @@ class DeltaWindowsMixin:
     delta_windows: dict[str, torch.Tensor]
     #: Whether a window holds the last forward's inputs too (False: only the last K - 1, `DeltaStaticStateCache`).
     delta_keeps_history: bool = True
+    #: What `generate` asks of the cache class that keeps a model's state across tokens (`state_cache_class`):
+    #: whether its state rolls back over rejected draft tokens (assisted decoding, `crop`), and its static form
+    #: (compiled generation; None: there is none).
+    rolls_back: bool = True
+    static_form: type | None = None
+
+    @classmethod
+    def refuse_rollback(cls, role: str) -> None:
+        """A ValueError where this state cannot roll back for `role` (assisted decoding); the windows can."""
 
     def keep_window(self, key: str, window: torch.Tensor) -> None:
         """Keep `window` `[B, L, ...]` (L >= K - 1) as the inputs before the next forward's at `key`."""
@@ -271,16 +304,6 @@ class DeltaWindowsMixin:
                 self.delta_windows[key] = window[:, keep - self.delta_history : keep]
 
 
-class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
-    """The cache of a Delta model with a temporal variant (`delta_state_read="temporal_conv"` or
-    `delta_embed_expand="conv"`): transformers' DynamicCache (keys and values) plus the convolution windows."""
-
-    def __init__(self, config, **kwargs):
-        super().__init__(config=config, **kwargs)
-        self.delta_history = config.delta_conv_size - 1
-        self.delta_windows = {}
-
-
 class DeltaStaticStateCache(DeltaWindowsMixin, StaticCache):
     """`DeltaStateCache`'s static form, what `generate(..., cache_implementation="static")` builds for a temporal
     variant (compiled decoding, CUDA graphs): transformers' StaticCache plus each convolution window as a buffer of
@@ -310,6 +333,29 @@ class DeltaStaticStateCache(DeltaWindowsMixin, StaticCache):
             buffer.zero_()
 
 
+class DeltaStateCache(DeltaWindowsMixin, DynamicCache):
+    """The cache of a Delta model with a temporal variant (`delta_state_read="temporal_conv"` or
+    `delta_embed_expand="conv"`): transformers' DynamicCache (keys and values) plus the convolution windows."""
+
+    static_form = DeltaStaticStateCache
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self.delta_history = config.delta_conv_size - 1
+        self.delta_windows = {}
+
+    @classmethod
+    def require(cls, cache) -> None:
+        """A TypeError for a cache given to a temporal variant that cannot keep its windows."""
+        if cache is not None and not isinstance(cache, DeltaWindowsMixin):
+            raise TypeError(
+                "A temporal variant (delta_state_read='temporal_conv' or delta_embed_expand='conv') convolves over "
+                f"tokens and needs a cache that keeps its windows, got {type(cache).__name__}; pass "
+                "cache=DeltaStateCache(model.config) (static: DeltaStaticStateCache(model.config, max_cache_len=...)) "
+                "or let the model create it (use_cache=True)."
+            )
+
+
 __all__ = [
     "DeltaConvContext",
     "DeltaEmbedExpand",
@@ -318,4 +364,5 @@ __all__ = [
     "DeltaStateConv",
     "DeltaStaticStateCache",
     "DeltaWindowsMixin",
+    "WindowSource",
 ]

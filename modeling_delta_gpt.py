@@ -9,7 +9,8 @@ parameter names carry over; only the Delta parameters are new.
 Reads top to bottom like `modeling_gpt2.py`: the block (eq. 2.5 twice: read, norm, sublayer, Delta update), the
 output classes, the pretrained base, the model and its heads. The reads live in `delta_reads.py`, the residual in
 `delta_layers.py`, what both families add around their layers in `delta_model.py`, the task heads of both families in
-`delta_heads.py`, the DeltaNet token mixer in `delta_net.py`, the math in `delta_ops.py`.
+`delta_heads.py`, the DeltaNet token mixer in `delta_net.py`, the state carried across tokens in `delta_state.py`,
+the math in `delta_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
 `save_pretrained` copies next to the weights. Whatever differs between transformers / torch releases is absorbed in
@@ -52,7 +53,8 @@ from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassificati
 from .delta_layers import DeltaResidual
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_net import DeltaNetAttention
-from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
+from .delta_reads import DeltaConvContext, DeltaRead
+from .delta_state import READ_OUT_WINDOW, block_windows
 
 
 class DeltaGPTAttention(GPT2Attention):
@@ -107,7 +109,7 @@ class DeltaGPTBlock(GradientCheckpointingLayer):
         hidden_size = config.hidden_size
         inner_dim = config.n_inner if config.n_inner is not None else 4 * hidden_size
         self.layer_idx = layer_idx
-        self.windows = (f"h.{layer_idx}.attn", f"h.{layer_idx}.mlp")  # where the cache keeps TC reads' last inputs
+        self.windows = block_windows(layer_idx)  # where the cache keeps TC reads' last inputs
 
         self.attn_read = DeltaRead(config)
         self.ln_1 = nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
@@ -232,18 +234,12 @@ class DeltaGPTModel(DeltaStackMixin, DeltaGPTPreTrainedModel):
         super().__init__(config)
         config.validate_delta()
         self.embed_dim = config.hidden_size
-        self.value_channels = config.delta_value_channels
 
         self.wte = nn.Embedding(config.vocab_size, self.embed_dim)
         self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([DeltaGPTBlock(config, layer_idx=i) for i in range(config.num_hidden_layers)])
-        # EC expands the embedding into the state; the read-out reads the last state for ln_f (docs/variants.md).
-        size = config.delta_conv_size
-        self.embed_expand = (
-            DeltaEmbedExpand(self.embed_dim, self.value_channels, size) if config.delta_embed_expand == "conv" else None
-        )
-        self.read_out = DeltaRead(config)
+        self.init_state_modules(config)  # EC's expansion of the embedding, the read-out for ln_f
         self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
 
         self.gradient_checkpointing = False
@@ -345,7 +341,7 @@ class DeltaGPTModel(DeltaStackMixin, DeltaGPTPreTrainedModel):
             )
 
         final_state = hidden_states
-        hidden_states = self.ln_f(self.read_out(hidden_states, delta_context, "read_out"))
+        hidden_states = self.ln_f(self.read_out(hidden_states, delta_context, READ_OUT_WINDOW))
         hidden_states = hidden_states.view(-1, *input_shape[1:], hidden_states.size(-1))
 
         return DeltaGPTModelOutput(

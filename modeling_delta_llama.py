@@ -14,7 +14,8 @@ classes, the pretrained base, the model and its heads. The reads live in `delta_
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
 (`configuration_delta_llama.py`, `delta_model.py`, `delta_heads.py`, `delta_layers.py`, `delta_reads.py`,
-`delta_net.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained` copies next to the weights.
+`delta_state.py`, `delta_net.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained` copies next to the
+weights.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassification, DeltaForTokenClassification
 from .delta_layers import DeltaResidual, spectral_std
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
-from .delta_reads import DeltaConvContext, DeltaEmbedExpand, DeltaRead
+from .delta_reads import DeltaConvContext, DeltaRead
+from .delta_state import READ_OUT_WINDOW, block_windows
 
 
 class FamilyModules(NamedTuple):
@@ -114,7 +116,7 @@ class DeltaLlamaDecoderLayer(GradientCheckpointingLayer):
         family = family_modules(config)
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
-        self.windows = (f"layers.{layer_idx}.attn", f"layers.{layer_idx}.mlp")  # the cache entries of TC reads
+        self.windows = block_windows(layer_idx)  # the cache entries of TC reads
 
         self.attn_read = DeltaRead(config)
         self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
@@ -207,18 +209,11 @@ class DeltaLlamaModel(DeltaStackMixin, DeltaLlamaPreTrainedModel):
         family = family_modules(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.value_channels = config.delta_value_channels
         self.layer_types = attention_layer_types(config)
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([DeltaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        # EC expands the embedding into the state; the read-out reads the last state for the norm (docs/variants.md).
-        self.embed_expand = (
-            DeltaEmbedExpand(config.hidden_size, self.value_channels, config.delta_conv_size)
-            if config.delta_embed_expand == "conv"
-            else None
-        )
-        self.read_out = DeltaRead(config)
+        self.init_state_modules(config)  # EC's expansion of the embedding, the read-out for the norm
         self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = family.rotary(config=config)
         self.gradient_checkpointing = False
@@ -299,7 +294,7 @@ class DeltaLlamaModel(DeltaStackMixin, DeltaLlamaPreTrainedModel):
             )
 
         final_state = hidden_states
-        hidden_states = self.norm(self.read_out(hidden_states, delta_context, "read_out"))
+        hidden_states = self.norm(self.read_out(hidden_states, delta_context, READ_OUT_WINDOW))
         return DeltaLlamaModelOutput(
             last_hidden_state=hidden_states,
             **cache_argument(cache if use_cache else None),

@@ -9,36 +9,29 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
-#: The architectures ddl-hf serves natively, as `config.architectures` names them.
-ARCHITECTURES = ("DeltaLlamaForCausalLM", "DeltaGPTForCausalLM")
+from .delta_state import state_plan
 
-
-def window_names(config) -> list[tuple[str, str, int]]:
-    """(window name as the blocks call it, kind, the layer whose index names it in vLLM) for every temporal
-    convolution of the config: two reads per layer and the read-out (TC), the embedding (EC). Empty for the variants
-    without state across tokens."""
-    names = []
-    if getattr(config, "delta_embed_expand", None) == "conv":
-        names.append(("embed", "expand", 0))
-    if getattr(config, "delta_state_read", None) == "temporal_conv":
-        for i in range(config.num_hidden_layers):
-            names += [(f"{i}.attn", "read", i), (f"{i}.mlp", "read", i)]
-        names.append(("read_out", "read", config.num_hidden_layers - 1))
-    return names
+#: The architectures ddl-hf serves natively, as `config.architectures` names them, and the class of
+#: `ddl_hf.vllm_models` that serves each (named after it: the transformers class keeps its own name).
+ARCHITECTURES = {
+    "DeltaLlamaForCausalLM": "VllmDeltaLlamaForCausalLM",
+    "DeltaGPTForCausalLM": "VllmDeltaGPTForCausalLM",
+}
 
 
 class DeltaServingConfig(VerifyAndUpdateConfig):
-    """vLLM's per-architecture config hook: a model with windows gets the state settings vLLM gives its hybrid
-    models (a state block size; the 'align' prefix-cache mode when prefix caching is on). vLLM applies them itself
-    only where `config.layer_types` names a layer other than attention, and a Delta model's layers are all attention."""
+    """vLLM's per-architecture config hook: a model with windows (its `StatePlan`'s) gets the state settings vLLM
+    gives its hybrid models (a state block size; the 'align' prefix-cache mode when prefix caching is on). vLLM applies
+    them itself only where `config.layer_types` names a layer other than attention, and a Delta model's layers are
+    all attention."""
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        if window_names(vllm_config.model_config.hf_config):
+        if state_plan(vllm_config.model_config.hf_config).windows:
             MambaModelConfig.verify_and_update_config(vllm_config)
 
 
-#: The custom op through which a window runs (`ddl_hf.vllm_models.DeltaWindow`).
+#: The custom op through which a window runs (`ddl_hf.vllm_windows.DeltaWindow`).
 WINDOW_OP = "vllm::ddl_delta_window"
 
 
@@ -50,12 +43,12 @@ def register() -> None:
     from vllm.config import CompilationConfig
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    for architecture in ARCHITECTURES:
-        ModelRegistry.register_model(architecture, f"ddl_hf.vllm_models:{architecture}")
+    for architecture, served_by in ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, f"ddl_hf.vllm_models:{served_by}")
         MODELS_CONFIG_MAP[architecture] = DeltaServingConfig
     splitting = getattr(CompilationConfig, "_attention_ops", None)  # vLLM's default splitting ops (0.32)
     if isinstance(splitting, list) and WINDOW_OP not in splitting:
         splitting.append(WINDOW_OP)
 
 
-__all__ = ["ARCHITECTURES", "WINDOW_OP", "DeltaServingConfig", "register", "window_names"]
+__all__ = ["ARCHITECTURES", "WINDOW_OP", "DeltaServingConfig", "register"]

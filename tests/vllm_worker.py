@@ -12,7 +12,7 @@ the weights, as on a machine without this package.
 Optional keys, for ddl-hf's native route (tests/integrations/test_vllm_native.py): `"engine"`, arguments that
 replace the defaults below (`{"model_impl": "auto"}` takes the route vLLM picks, ddl-hf's plugin when it is loaded);
 `"alone": true` also decodes each prompt in a request of its own, one after another, into `"alone"`; `"mutant"`, a
-deliberately wrong window in `ddl_hf.vllm_models` ("shifted": every tap one token further back; "not_reset": a new
+deliberately wrong window in `ddl_hf.vllm_windows` ("shifted": every tap one token further back; "not_reset": a new
 sequence starts from whatever its state block held; "no_initial_state": a continued chunk or a prefix-cache hit starts
 from zeros), which the tests must catch. `"cached"` / `"alone_cached"`: each request's prompt tokens served from
 vLLM's prefix cache (`RequestOutput.num_cached_tokens`).
@@ -56,16 +56,16 @@ def mutate(mutant: str) -> None:
     """Make ddl-hf's vLLM window wrong on purpose (in this process, where the engine runs)."""
     import torch
 
-    from ddl_hf import vllm_models
+    from ddl_hf import vllm_windows
 
     if mutant == "shifted":
-        exchange = vllm_models.DeltaWindow.exchange
+        exchange = vllm_windows.DeltaWindow.exchange
 
         def shifted(self, x, metadata):
             past = exchange(self, x, metadata)
             return torch.cat([torch.zeros_like(past[:, :1]), past[:, :-1]], dim=1)
 
-        vllm_models.DeltaWindow.exchange = shifted
+        vllm_windows.DeltaWindow.exchange = shifted
     elif mutant in ("not_reset", "no_initial_state"):
         # not_reset: has_initial_states_p read as all true (a new sequence keeps its block's old window);
         # no_initial_state: all false (a continued chunk or a prefix-cache hit restarts from zeros).
@@ -79,8 +79,8 @@ def mutate(mutant: str) -> None:
                 value = getattr(self.metadata, name)
                 return fill(value) if name == "has_initial_states_p" and value is not None else value
 
-        exchange = vllm_models.DeltaWindow.exchange
-        vllm_models.DeltaWindow.exchange = lambda self, x, metadata: exchange(self, x, Overridden(metadata))
+        exchange = vllm_windows.DeltaWindow.exchange
+        vllm_windows.DeltaWindow.exchange = lambda self, x, metadata: exchange(self, x, Overridden(metadata))
     else:
         raise ValueError(f"unknown mutant {mutant!r}")
 

@@ -44,6 +44,7 @@ CUSTOM_CODE = (
     "delta_model.py",
     "delta_heads.py",
     "delta_reads.py",
+    "delta_state.py",
     "delta_net.py",
     "delta_ops.py",
     "delta_compat.py",

@@ -47,6 +47,7 @@ CUSTOM_CODE = (
     "delta_model.py",
     "delta_heads.py",
     "delta_reads.py",
+    "delta_state.py",
     "delta_ops.py",
     "delta_compat.py",
 )

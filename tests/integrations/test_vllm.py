@@ -491,7 +491,7 @@ def test_the_refusal_fires_only_under_a_serving_engine_for_state_across_tokens(c
     """`refuse_state_across_tokens_in_serving_engines` on the model's own config: silent for every attention
     implementation outside the engines and for the variants without state across tokens; one line naming the
     variant under vLLM's and SGLang's names (SGLang's Transformers backend sets "sglang"; SGLang is not run here)."""
-    from ddl_hf.delta_model import refuse_state_across_tokens_in_serving_engines
+    from ddl_hf.delta_state import refuse_state_across_tokens_in_serving_engines
 
     family, overrides = {**EXACT, **STATEFUL}[case]
     config = build(family, overrides, seed=0).config

@@ -132,7 +132,7 @@ def agreement(got: list[list[int]], expected: list[list[int]]) -> list[str]:
 def test_native_vllm_greedy_tokens_equal_generate(case, mode, native_cases, native_served):
     result, reference = native_served[(case, mode)], native_cases[case]["reference"]
     assert "error" not in result, f"vLLM could not serve {case} ({mode}): {result['error']}"
-    expected = "DeltaGPTForCausalLM" if case.startswith("gpt2") else "DeltaLlamaForCausalLM"
+    expected = "VllmDeltaGPTForCausalLM" if case.startswith("gpt2") else "VllmDeltaLlamaForCausalLM"
     assert result["model_class"] == f"ddl_hf.vllm_models.{expected}", "not ddl-hf's native route"
     assert result["tokens"] == reference, f"batched: {agreement(result['tokens'], reference)}"
     assert result["alone"] == reference, f"one request at a time: {agreement(result['alone'], reference)}"
@@ -218,7 +218,7 @@ def test_window_exchange_equals_a_recurrent_reference(size, dim_first, indices_2
     and continued sequences; state blocks reused and left full of NaN; the state in either of vLLM's layouts, indices
     1-D or one column per speculative token. Each token gets its sequence's K - 1 inputs before it (zeros before its
     start), exactly."""
-    from ddl_hf.vllm_models import DeltaWindow
+    from ddl_hf.vllm_windows import DeltaWindow
 
     rng, width, blocks = random.Random(size), 5, 10
     storage = torch.full((blocks, width + 2, size - 1) if dim_first else (blocks, size - 1, width + 2), float("nan"))

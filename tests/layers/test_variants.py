@@ -18,6 +18,7 @@ from ddl_hf.delta_ops import (
     temporal_conv_read,
 )
 from ddl_hf.delta_reads import DeltaConvContext, DeltaStateCache
+from ddl_hf.delta_state import state_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -267,17 +268,49 @@ def test_cache_operations_and_memory_do_not_grow_with_the_context() -> None:
     per_sequence = size * 4 * ((2 * config.n_layer + 1) * d * d_v + d)
     assert sizes == [3 * per_sequence] * 4
 
-    window = cache.delta_windows["h.0.attn"].clone()
+    window = cache.delta_windows["0.attn"].clone()
     cache.reorder_cache(torch.tensor([2, 0, 1]))
-    assert torch.equal(cache.delta_windows["h.0.attn"], window[[2, 0, 1]])
+    assert torch.equal(cache.delta_windows["0.attn"], window[[2, 0, 1]])
     cache.batch_select_indices(torch.tensor([1]))
-    assert torch.equal(cache.delta_windows["h.0.attn"], window[[0]])
+    assert torch.equal(cache.delta_windows["0.attn"], window[[0]])
     cache.batch_repeat_interleave(2)
-    assert cache.delta_windows["h.0.attn"].shape[0] == 2
+    assert cache.delta_windows["0.attn"].shape[0] == 2
     cache.crop(-1)  # drop the last token: the window keeps the K - 1 before it
-    assert torch.equal(cache.delta_windows["h.0.attn"][:1], window[[0], : size - 1])
+    assert torch.equal(cache.delta_windows["0.attn"][:1], window[[0], : size - 1])
     with pytest.raises(ValueError, match="Cannot crop 1 tokens"):
         cache.crop(-1)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [*TEMPORAL, dict(delta_value_channels=4, delta_state_read="channel_conv"), dict(token_mixer="delta_net")],
+    ids=lambda o: "-".join(f"{v}" for v in o.values()),
+)
+def test_the_state_plan_names_what_a_cached_forward_keeps(overrides: dict) -> None:
+    """`state_plan` is derived from the config alone; a cached forward keeps a window under exactly the keys it
+    lists (the reads name their windows at run time), DeltaNet's recurrent state where it says so, and the answers
+    that read the plan agree with it: `delta_temporal`, the cache class, the generation flags."""
+    model = variant_model(**overrides)
+    plan = state_plan(model.config)
+    assert model.state_plan == plan
+    with torch.no_grad():
+        cache = cache_of(model(torch.randint(1, VOCAB, (2, 5)), use_cache=True))
+    assert set(getattr(cache, "delta_windows", {})) == {window.key for window in plan.windows}
+    windows_of_layer = sorted((window.layer, window.kind) for window in plan.windows if window.kind == "read")
+    layers = model.config.n_layer
+    read = overrides.get("delta_state_read") == "temporal_conv"
+    assert windows_of_layer == (
+        sorted([(i, "read") for i in range(layers)] * 2 + [(layers - 1, "read")]) if read else []
+    )
+    assert [w.key for w in plan.windows if w.kind == "expand"] == (
+        ["embed"] if overrides.get("delta_embed_expand") == "conv" else []
+    )
+    recurrent = overrides.get("token_mixer") == "delta_net"
+    assert plan.recurrent is recurrent and isinstance(cache, ddl_hf.DeltaNetCache) is recurrent
+    assert model.config.delta_temporal is bool(plan.windows)
+    assert plan.across_tokens is bool(plan.windows or recurrent) is bool(plan.settings)
+    assert model._is_stateful is recurrent and model._can_compile_fullgraph is not recurrent
+    assert isinstance(cache, DeltaStateCache) is (bool(plan.windows) and not recurrent)
 
 
 def test_temporal_variant_refuses_a_cache_without_windows() -> None:

@@ -195,6 +195,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "delta_model.py",
         "delta_heads.py",
         "delta_reads.py",
+        "delta_state.py",
         "delta_ops.py",
         "delta_compat.py",
     } <= files

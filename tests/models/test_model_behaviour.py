@@ -401,6 +401,7 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
         "delta_model.py",
         "delta_heads.py",
         "delta_reads.py",
+        "delta_state.py",
         "delta_net.py",
         "delta_ops.py",
         "delta_compat.py",
