@@ -1419,7 +1419,7 @@ def _rule_error(
 ) -> float:
     """The larger relative error of `delta_rule`'s output and final state in `dtype` against `exact`, with `kernel`
     (a `DeltaKernels.delta_rule`; None: the torch forms)."""
-    from ddl_hf.delta_ops import delta_rule
+    from ddl_hf.delta_net_ops import delta_rule
 
     o, final = delta_rule(*(x.to(dtype) for x in inputs[:4]), initial_state=inputs[4], kernel=kernel)
     return max(rel_err(o.double(), exact[0]), rel_err(final.double(), exact[1]))
@@ -1431,7 +1431,7 @@ def fla_rule_errors(device: torch.device, kernel: Callable, heads: int = 4, d: i
     on the same device (relative error of the output and the final state). The bound is derived, not guessed: 8 times
     the error our torch form makes on the same inputs in the same dtype (most of it the inputs' own rounding), at
     least 1e-6."""
-    from ddl_hf.delta_ops import delta_rule_recurrent
+    from ddl_hf.delta_net_ops import delta_rule_recurrent
 
     rows = []
     for tokens, dtype in FLA_CASES:

@@ -52,9 +52,10 @@ from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from .delta_fused import temporal_conv_read
 from .delta_layers import DeltaResidual
 from .delta_model import RENAMED_WEIGHTS, DeltaPreTrainedMixin
-from .delta_ops import temporal_conv, temporal_conv_read
+from .delta_ops import temporal_conv
 from .delta_reads import DeltaEmbedExpand, DeltaRead
 from .modeling_delta_llama import attention_layer_types
 from .vllm_plugin import window_names

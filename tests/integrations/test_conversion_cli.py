@@ -45,7 +45,9 @@ CUSTOM_CODE = (
     "delta_heads.py",
     "delta_reads.py",
     "delta_net.py",
+    "delta_net_ops.py",
     "delta_ops.py",
+    "delta_fused.py",
     "delta_compat.py",
 )
 

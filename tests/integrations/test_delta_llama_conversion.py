@@ -47,7 +47,10 @@ CUSTOM_CODE = (
     "delta_model.py",
     "delta_heads.py",
     "delta_reads.py",
+    "delta_net.py",
+    "delta_net_ops.py",
     "delta_ops.py",
+    "delta_fused.py",
     "delta_compat.py",
 )
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]

@@ -16,7 +16,7 @@ import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, delta_ops
 from ddl_hf.delta_compat import DELTA_NET_DYNAMIC_EXPORT, DELTA_NET_DYNAMIC_EXPORT_TORCH, cache_of
 from ddl_hf.delta_net import DeltaNetCache
-from ddl_hf.delta_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
+from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -195,7 +195,10 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "delta_model.py",
         "delta_heads.py",
         "delta_reads.py",
+        "delta_net.py",
+        "delta_net_ops.py",
         "delta_ops.py",
+        "delta_fused.py",
         "delta_compat.py",
     } <= files
     ids = random_ids(2, 9)

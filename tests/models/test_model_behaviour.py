@@ -402,7 +402,9 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
         "delta_heads.py",
         "delta_reads.py",
         "delta_net.py",
+        "delta_net_ops.py",
         "delta_ops.py",
+        "delta_fused.py",
         "delta_compat.py",
     ],
 )

@@ -213,7 +213,7 @@ def delta_net_model():
 def chunkwise_rule(calls, shift=0):
     """A stand-in delta-rule kernel for CPU tensors: the torch chunkwise form, its outputs `shift` tokens late (a
     scale would vanish in o_norm); `calls` gets each call's dtype."""
-    from ddl_hf.delta_ops import delta_rule_chunkwise
+    from ddl_hf.delta_net_ops import delta_rule_chunkwise
 
     def rule(q, k, v, beta, initial_state, erase, document_starts, cu_seqlens):
         calls.append(v.dtype)
@@ -321,7 +321,7 @@ def test_the_fla_rows_compare_the_kernel_with_the_float64_reference():
     """The fla section's comparison, on the CPU: a stand-in kernel (the torch chunkwise form) passes every case and
     is the one called; a kernel 5% off fails every case. On a GPU the kernel is `delta_implementation="triton"`'s
     delta rule, fla's (`ddl_hf.fla_kernels`)."""
-    from ddl_hf.delta_ops import delta_rule_chunkwise
+    from ddl_hf.delta_net_ops import delta_rule_chunkwise
 
     calls = []
 
