@@ -7,7 +7,7 @@ block with the Delta Operator `A = I - beta k k^T` and a synchronous rank-1 writ
 
 A block reads x = read(X) (`delta_reads.DeltaRead`), runs its norm and sublayer, c = norm(x) and h = F(c), and
 `DeltaResidual` does the rest: the gate beta, the value v and one call of the update op
-(`delta_ops.fused_delta_update`). This file also holds the Delta initialisations: the exact start of a conversion and
+(`delta_fused.fused_delta_update`). This file also holds the Delta initialisations: the exact start of a conversion and
 the authors' from-scratch start. The math itself lives in `delta_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files, which
@@ -29,12 +29,12 @@ from .delta_compat import check_installed_versions  # noqa: F401
 from transformers import initialization as init
 from transformers.configuration_utils import PreTrainedConfig
 
+from .delta_fused import fused_delta_update
 from .delta_ops import (
     ResidualWeights,
     at_least_float32,
     delta_gate,
     delta_kernels,
-    fused_delta_update,
     straight_through_clamp,
 )
 

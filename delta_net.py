@@ -20,7 +20,8 @@ from .delta_compat import takes_cache
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from .delta_layers import autocast_off
-from .delta_ops import delta_kernels, delta_rule
+from .delta_net_ops import delta_rule
+from .delta_ops import delta_kernels
 from .delta_reads import DeltaWindowsMixin
 
 

@@ -24,14 +24,13 @@ from .delta_compat import check_installed_versions  # noqa: F401
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
 
+from .delta_fused import channel_conv_read, temporal_conv_read
 from .delta_ops import (
     TENSOR_OPS,
     DeltaKernels,
-    channel_conv_read,
     delta_kernels,
     same_document_taps,
     temporal_conv,
-    temporal_conv_read,
 )
 from .delta_state import EMBED_WINDOW
 

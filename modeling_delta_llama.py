@@ -14,8 +14,8 @@ classes, the pretrained base, the model and its heads. The reads live in `delta_
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files
 (`configuration_delta_llama.py`, `delta_model.py`, `delta_heads.py`, `delta_layers.py`, `delta_reads.py`,
-`delta_state.py`, `delta_net.py`, `delta_ops.py`, `delta_compat.py`), which `save_pretrained` copies next to the
-weights.
+`delta_state.py`, `delta_net.py`, `delta_net_ops.py`, `delta_ops.py`, `delta_fused.py`, `delta_compat.py`), which
+`save_pretrained` copies next to the weights.
 """
 
 from __future__ import annotations

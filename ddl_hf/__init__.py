@@ -32,7 +32,8 @@ from .conversion import (
 )
 from .delta_layers import DeltaResidual
 from .delta_net import DeltaNetAttention, DeltaNetCache
-from .delta_ops import delta_rule_chunkwise, delta_rule_recurrent, delta_update
+from .delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent
+from .delta_ops import delta_update
 from .delta_reads import DeltaRead, DeltaStateCache, DeltaStaticStateCache
 from .modeling_delta_gpt import (
     DeltaGPTForCausalLM,

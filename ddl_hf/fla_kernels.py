@@ -5,7 +5,7 @@
 A DeltaNet model runs them with `delta_implementation="auto"` (the default) or `"triton"` where fla is installed
 (`ddl_hf.kernels`; found, not imported: fla and Triton load on the first call), as transformers' Qwen3-Next uses fla's
 gated delta rule: CUDA tensors, outside `torch.compile` (inductor compiles the torch form into its own kernels there).
-The torch forms run everywhere else, and on CUDA without fla `delta_ops.delta_rule` warns once.
+The torch forms run everywhere else, and on CUDA without fla `delta_net_ops.delta_rule` warns once.
 
 The mapping (`fla_delta_rule`), ours -> fla: q, k, v `[B, H, T, d]` -> `[B, T, H, d]`; beta `[B, H, T]` ->
 `[B, T, H]`; the state `[B, H, d_v, d_k]` (o = S q) -> fla's `[B, H, K, V]` (its transpose); `scale=1` (DeltaNet's

@@ -25,7 +25,8 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from .delta_ops import temporal_conv, temporal_conv_read
+from .delta_fused import temporal_conv_read
+from .delta_ops import temporal_conv
 from .delta_state import state_plan
 
 

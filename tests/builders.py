@@ -31,6 +31,22 @@ from ddl_lab.builders import LLAMA_TINY, open_gates  # the lab's, shared with th
 
 VOCAB = 97
 
+#: The Hub files every saved DeltaGPT and DeltaLlama directory ships besides its family's configuration and modeling
+#: files (`save_pretrained` copies the files a modeling file imports, relatively, and theirs): the real files at the
+#: repository root, symlinked into `ddl_hf/`.
+SHARED_HUB_FILES = (
+    "delta_layers.py",
+    "delta_model.py",
+    "delta_heads.py",
+    "delta_reads.py",
+    "delta_state.py",
+    "delta_net.py",
+    "delta_net_ops.py",
+    "delta_ops.py",
+    "delta_fused.py",
+    "delta_compat.py",
+)
+
 #: The default tiny GPT-2: 2 layers, 32 wide, 4 heads, context 64; dropout off so runs are deterministic.
 TINY = dict(
     vocab_size=VOCAB,

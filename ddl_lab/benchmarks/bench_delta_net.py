@@ -58,7 +58,7 @@ def make_inputs(seq_len: int, requires_grad: bool) -> list[torch.Tensor]:
 
 
 def run_method(method: str, inputs: list[torch.Tensor], backward: bool) -> None:
-    from ddl_hf.delta_ops import delta_rule_chunkwise, delta_rule_recurrent
+    from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent
 
     q, k, v, beta = inputs
     with torch.set_grad_enabled(backward):

@@ -27,7 +27,8 @@ from gpu_models import (
     running,
 )
 
-from ddl_hf.delta_ops import delta_kernels, delta_rule, delta_rule_recurrent
+from ddl_hf.delta_net_ops import delta_rule, delta_rule_recurrent
+from ddl_hf.delta_ops import delta_kernels
 from ddl_hf.fla_kernels import fla_available
 
 pytestmark = pytest.mark.gpu

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import BYTE_LEVEL, gpt2_config
+from builders import BYTE_LEVEL, SHARED_HUB_FILES, gpt2_config
 from gpt2_fixtures import (
     EOS,
     byte_tokenizer,
@@ -37,18 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
-CUSTOM_CODE = (
-    "configuration_delta_gpt.py",
-    "modeling_delta_gpt.py",
-    "delta_layers.py",
-    "delta_model.py",
-    "delta_heads.py",
-    "delta_reads.py",
-    "delta_state.py",
-    "delta_net.py",
-    "delta_ops.py",
-    "delta_compat.py",
-)
+CUSTOM_CODE = ("configuration_delta_gpt.py", "modeling_delta_gpt.py", *SHARED_HUB_FILES)
 
 
 @pytest.fixture(scope="module")

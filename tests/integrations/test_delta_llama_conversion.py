@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import LLAMA_FAMILIES as FAMILIES
-from builders import build_source
+from builders import SHARED_HUB_FILES, build_source
 from gpt2_fixtures import byte_tokenizer, text_ids
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
@@ -43,13 +43,7 @@ CUSTOM_CODE = (
     "configuration_delta_llama.py",
     "modeling_delta_llama.py",
     "configuration_delta_gpt.py",
-    "delta_layers.py",
-    "delta_model.py",
-    "delta_heads.py",
-    "delta_reads.py",
-    "delta_state.py",
-    "delta_ops.py",
-    "delta_compat.py",
+    *SHARED_HUB_FILES,
 )
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 HUB_ID = "someone/tiny-mistral"

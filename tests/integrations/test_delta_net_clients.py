@@ -13,10 +13,10 @@ import torch
 from torch.nn.functional import normalize
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
-from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, delta_ops
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, delta_net_ops
 from ddl_hf.delta_compat import DELTA_NET_DYNAMIC_EXPORT, DELTA_NET_DYNAMIC_EXPORT_TORCH, cache_of
 from ddl_hf.delta_net import DeltaNetCache
-from ddl_hf.delta_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
+from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -327,7 +327,7 @@ def exported():
 def test_below_the_torch_for_dynamic_lengths_an_export_is_for_the_traced_length(monkeypatch):
     """torch 2.7 to 2.12 cannot export the chunk loop over a symbolic length (delta_compat): there an export traces
     the eager loop, a program for the traced length that equals eager, and a dynamic length is torch.export's error."""
-    monkeypatch.setattr(delta_ops, "DELTA_NET_DYNAMIC_EXPORT", False)
+    monkeypatch.setattr(delta_net_ops, "DELTA_NET_DYNAMIC_EXPORT", False)
     model = tiny_model(seed=6, n_layer=1, delta_net_allow_negative_eigval=True)
     ids = torch.randint(0, VOCAB, (2, 20))
     program = torch.export.export(Logits(model), (ids,))

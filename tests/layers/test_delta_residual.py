@@ -2,7 +2,7 @@
 graph breaks.
 
 Its forward reads the state, runs `sublayer(norm(read))`, gates and writes through the one update op
-(`delta_ops.fused_delta_update`). It is held to the readable reference (`delta_update` of `unit_direction(h)`) and to
+(`delta_fused.fused_delta_update`). It is held to the readable reference (`delta_update` of `unit_direction(h)`) and to
 the float64 update computed here from its parameters; the no-grad path gives the bits of the autograd path, a hook a
 tool puts on a projection is honoured, betas recorded from the block are those of every Delta residual, and the Delta
 block traces into one graph.
@@ -15,8 +15,9 @@ import torch
 from builders import VOCAB, delta_config, delta_model, open_gates
 from test_fused_delta import readable_residuals
 
+from ddl_hf.delta_fused import fused_delta_update
 from ddl_hf.delta_layers import DeltaResidual
-from ddl_hf.delta_ops import delta_gate, delta_update, fused_delta_update, unit_direction
+from ddl_hf.delta_ops import delta_gate, delta_update, unit_direction
 from ddl_hf.delta_reads import DeltaRead
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
 

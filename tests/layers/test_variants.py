@@ -9,14 +9,8 @@ from builders import VOCAB, variant_model
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_argument, cache_of
-from ddl_hf.delta_ops import (
-    channel_conv,
-    channel_conv_read,
-    channel_conv_read_weight,
-    same_document_taps,
-    temporal_conv,
-    temporal_conv_read,
-)
+from ddl_hf.delta_fused import channel_conv_read, channel_conv_read_weight, temporal_conv_read
+from ddl_hf.delta_ops import channel_conv, same_document_taps, temporal_conv
 from ddl_hf.delta_reads import DeltaConvContext, DeltaStateCache
 from ddl_hf.delta_state import state_plan
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from builders import LLAMA_FAMILIES as FAMILIES
 from builders import LLAMA_TINY as TINY
-from builders import VOCAB, build_source, random_ids, to_delta
+from builders import SHARED_HUB_FILES, VOCAB, build_source, random_ids, to_delta
 from builders import open_llama_gates as open_gates
 from transformers import (
     AutoConfig,
@@ -191,13 +191,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
         "configuration_delta_llama.py",
         "modeling_delta_llama.py",
         "configuration_delta_gpt.py",
-        "delta_layers.py",
-        "delta_model.py",
-        "delta_heads.py",
-        "delta_reads.py",
-        "delta_state.py",
-        "delta_ops.py",
-        "delta_compat.py",
+        *SHARED_HUB_FILES,
     } <= files
     ids = random_ids(2, 9)
     with torch.no_grad():

@@ -13,7 +13,7 @@ import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 from ddl_hf.delta_compat import cache_of
 from ddl_hf.delta_net import DeltaNetAttention, DeltaNetCache
-from ddl_hf.delta_ops import delta_rule_recurrent
+from ddl_hf.delta_net_ops import delta_rule_recurrent
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import VOCAB, delta_config, delta_model, enable_activation_checkpointing, open_gates
+from builders import (
+    SHARED_HUB_FILES,
+    VOCAB,
+    delta_config,
+    delta_model,
+    enable_activation_checkpointing,
+    open_gates,
+)
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -397,14 +404,7 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
         "configuration_delta_llama.py",
         "modeling_delta_gpt.py",
         "modeling_delta_llama.py",
-        "delta_layers.py",
-        "delta_model.py",
-        "delta_heads.py",
-        "delta_reads.py",
-        "delta_state.py",
-        "delta_net.py",
-        "delta_ops.py",
-        "delta_compat.py",
+        *SHARED_HUB_FILES,
     ],
 )
 def test_the_package_modules_are_the_root_hub_files(name: str) -> None:

@@ -9,7 +9,8 @@ from builders import delta_config, open_gates
 from hypothesis import given, settings
 
 import ddl_hf
-from ddl_hf.delta_ops import delta_update, fused_delta_update
+from ddl_hf.delta_fused import fused_delta_update
+from ddl_hf.delta_ops import delta_update
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 EPS32 = torch.finfo(torch.float32).eps

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.functional import normalize
 
-from ddl_hf.delta_ops import delta_rule_chunkwise, delta_rule_recurrent
+from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -24,8 +24,9 @@ import torch
 from builders import delta_model
 
 import ddl_hf.kernels as backends
-from ddl_hf import delta_ops, fla_kernels
-from ddl_hf.delta_ops import TENSOR_OPS, DeltaKernels, delta_rule, delta_rule_chunkwise
+from ddl_hf import delta_net_ops, delta_ops, fla_kernels
+from ddl_hf.delta_net_ops import delta_rule, delta_rule_chunkwise
+from ddl_hf.delta_ops import TENSOR_OPS, DeltaKernels
 from ddl_hf.fla_kernels import fla_available, fla_delta_rule
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ PACKED_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_fla_kernels import inputs
-from ddl_hf.delta_ops import delta_rule_recurrent
+from ddl_hf.delta_net_ops import delta_rule_recurrent
 from ddl_hf.fla_kernels import fla_delta_rule
 
 x = {name: value[:1] for name, value in inputs(12).items()}
@@ -88,7 +89,7 @@ SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_fla_kernels import inputs
-from ddl_hf.delta_ops import delta_rule_recurrent
+from ddl_hf.delta_net_ops import delta_rule_recurrent
 from ddl_hf.fla_kernels import fla_delta_rule
 
 out = {}
@@ -285,10 +286,10 @@ def test_the_delta_net_mixer_hands_its_models_rule_to_the_entry_point_once_per_l
 
 
 def test_without_a_kernel_cuda_warns_once(monkeypatch):
-    monkeypatch.setattr(delta_ops, "_warned_no_gpu_kernel", False)
+    monkeypatch.setattr(delta_net_ops, "_warned_no_gpu_kernel", False)
     with pytest.warns(UserWarning, match=r"fla-core") as seen:
-        delta_ops._warn_no_gpu_kernel()
-        delta_ops._warn_no_gpu_kernel()
+        delta_net_ops._warn_no_gpu_kernel()
+        delta_net_ops._warn_no_gpu_kernel()
     assert len(seen) == 1
 
 

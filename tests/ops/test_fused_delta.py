@@ -11,8 +11,9 @@ from builders import VOCAB, delta_config, gpt2_config
 from transformers import GPT2LMHeadModel
 
 from ddl_hf import DeltaGPTForCausalLM, delta_layers
+from ddl_hf.delta_fused import fused_delta_update
 from ddl_hf.delta_layers import DeltaResidual
-from ddl_hf.delta_ops import delta_update, fused_delta_update, straight_through_clamp, unit_direction
+from ddl_hf.delta_ops import delta_update, straight_through_clamp, unit_direction
 
 EPS = 1e-6
 CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]

@@ -51,16 +51,15 @@ from test_fused_delta import EPS, dense_reference, make_inputs
 import ddl_hf.kernels as backends
 import ddl_hf.native as native
 from ddl_hf import delta_ops
+from ddl_hf.delta_fused import fused_delta_update, temporal_conv_read
 from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_ops import (
     TENSOR_OPS,
     DeltaKernel,
     DeltaKernels,
     delta_kernels,
-    fused_delta_update,
     same_document_taps,
     temporal_conv,
-    temporal_conv_read,
 )
 from ddl_hf.delta_reads import DeltaStateConv
 from ddl_hf.kernels import DeltaImplementationUnavailable

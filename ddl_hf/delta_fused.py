@@ -1,0 +1,1 @@
+../delta_fused.py

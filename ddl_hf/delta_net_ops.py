@@ -1,0 +1,1 @@
+../delta_net_ops.py
