@@ -57,8 +57,8 @@ SHAPES = {
 }
 
 
-def base_config(shape: dict) -> GPT2Config | LlamaConfig:
-    """The baseline's config: GPT-2, or Llama for the Llama-family shapes."""
+def base_config(shape: dict, **fields) -> GPT2Config | LlamaConfig:
+    """The baseline's config: GPT-2, or Llama for the Llama-family shapes; `fields`: further config fields."""
     if shape.get("arch") == "llama":
         return LlamaConfig(
             num_hidden_layers=shape["n_layer"],
@@ -68,6 +68,7 @@ def base_config(shape: dict) -> GPT2Config | LlamaConfig:
             intermediate_size=shape["intermediate"],
             vocab_size=shape["vocab_size"],
             max_position_embeddings=1024,
+            **fields,
         )
     return GPT2Config(
         n_layer=shape["n_layer"],
@@ -75,7 +76,36 @@ def base_config(shape: dict) -> GPT2Config | LlamaConfig:
         n_head=shape["n_head"],
         vocab_size=shape["vocab_size"],
         n_positions=1024,
+        **fields,
     )
+
+
+def build_baseline(shape: dict, **fields) -> PreTrainedModel:
+    """transformers' GPT-2 (or Llama) of `shape` (`fields`: as `base_config`), random weights from seed 0, SDPA
+    attention."""
+    torch.manual_seed(0)
+    config = base_config(shape, **fields)
+    config._attn_implementation = "sdpa"
+    return (LlamaForCausalLM if isinstance(config, LlamaConfig) else GPT2LMHeadModel)(config)
+
+
+def delta_over(baseline: PreTrainedModel, fields: dict, implementation: str = "eager") -> PreTrainedModel:
+    """The Delta model of `fields` (Delta config fields) over `baseline`'s architecture, holding every baseline weight
+    (the Delta parameters are extra, initialised from torch's global generator), running `implementation`."""
+    llama = isinstance(baseline, LlamaForCausalLM)
+    excluded = ("model_type", "transformers_version")
+    architecture = {k: v for k, v in baseline.config.to_dict().items() if k not in excluded}
+    if llama:
+        config = DeltaLlamaConfig(source_model_type="llama", **architecture, **fields)
+    else:
+        config = DeltaGPTConfig(**architecture, **fields)
+    config._attn_implementation = "sdpa"
+    delta = (DeltaLlamaForCausalLM if llama else DeltaGPTForCausalLM)(config)
+    missing, unexpected = delta.load_state_dict(baseline.state_dict(), strict=False)
+    if unexpected or not set(missing) <= set(delta.delta_parameters()):
+        raise RuntimeError(f"baseline weights do not map onto the Delta model: {missing=} {unexpected=}")
+    delta.set_delta_implementation(implementation)
+    return delta
 
 
 def build_pair(
@@ -84,29 +114,14 @@ def build_pair(
     """The baseline (GPT-2 or Llama) and its Delta model sharing every baseline weight (the Delta parameters are
     extra); `fields`: variant fields; `implementation`: the Delta model's `delta_implementation` (default the tensor
     ops, "eager"; "native": the CPU kernels of `ddl_hf.native`)."""
-    torch.manual_seed(0)
-    config = base_config(shape)
-    config._attn_implementation = "sdpa"
-    llama = shape.get("arch") == "llama"
-    base = (LlamaForCausalLM if llama else GPT2LMHeadModel)(config)
-    architecture = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    base = build_baseline(shape)
     delta_fields = dict(
         delta_mode=mode,
         delta_value_channels=value_channels,
         delta_beta_init=0.5,  # no shortcut for beta == 0 exists, but use a generic gate anyway
         **(fields or {}),
     )
-    if llama:
-        delta_config = DeltaLlamaConfig(source_model_type="llama", **architecture, **delta_fields)
-    else:
-        delta_config = DeltaGPTConfig(**architecture, **delta_fields)
-    delta_config._attn_implementation = "sdpa"
-    delta = (DeltaLlamaForCausalLM if llama else DeltaGPTForCausalLM)(delta_config)
-    missing, unexpected = delta.load_state_dict(base.state_dict(), strict=False)
-    if unexpected or not set(missing) <= set(delta.delta_parameters()):
-        raise RuntimeError(f"baseline weights do not map onto the Delta model: {missing=} {unexpected=}")
-    delta.set_delta_implementation(implementation)
-    return base, delta
+    return base, delta_over(base, delta_fields, implementation)
 
 
 @contextlib.contextmanager

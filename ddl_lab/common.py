@@ -15,9 +15,11 @@ root, the home folder, the temporary folder) ends up in committed results. Files
 file in the same folder, then `os.replace`), so an interrupted run never leaves a half-written result behind.
 
 Timing is process CPU time of interleaved A/B pairs (ABBA...: slow drift of a noisy machine cancels), reported as the
-median of the per-pair ratios B / A with the smallest and largest pair. A ratio means something only next to the
-A/A floor: the baseline timed the same way against a copy of itself, how far a ratio strays from 1.0 when nothing
-differs (`ratio_spread` prints either).
+median of the per-pair ratios B / A with the smallest and largest pair; on an accelerator (`device=`) wall time, the
+device synchronised around each call. A ratio means something only next to the A/A floor: the baseline timed the
+same way against a copy of itself, how far a ratio strays from 1.0 when nothing differs (`ratio_spread` prints
+either). What is timed is built here too: a training step (`train_step_fn`), greedy decoding (`generate_fn`), and
+the peak memory of a training step (`peak_step_memory`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,39 +181,66 @@ def markdown_header(prov: dict) -> str:
     )
 
 
-# --- timing with the A/A floor ----------------------------------------------------------------------------------
+# --- timing with the A/A floor, and memory --------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(process CPU seconds, wall seconds) of one call."""
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on `device` (CUDA); the CPU (or no device) has none queued."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device | None = None) -> tuple[float, float]:
+    """(process CPU seconds, wall seconds) of one call; `device` synchronised before and after, so that the wall time
+    holds the work the call queued there."""
+    synchronize(device)
     cpu, wall = time.process_time(), time.perf_counter()
     fn()
+    synchronize(device)
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
-def interleaved(fn_a: Callable[[], object], fn_b: Callable[[], object], pairs: int, warmup: int = 1) -> dict:
-    """Median times of A and B and the median of the per-pair ratios B / A, order alternating per pair."""
+def _medians(a: list[float], b: list[float]) -> tuple[float, float, dict]:
+    """Median of A, median of B, and the per-pair ratios B / A: median, smallest, largest."""
+    ratios = [tb / ta for ta, tb in zip(a, b)]
+    spread = {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    return statistics.median(a), statistics.median(b), spread
+
+
+def interleaved(
+    fn_a: Callable[[], object],
+    fn_b: Callable[[], object],
+    pairs: int,
+    warmup: int = 1,
+    device: torch.device | None = None,
+) -> dict:
+    """Median times of A and B and the median of the per-pair ratios B / A, order alternating per pair, after
+    `warmup` calls of each.
+
+    Without `device` (the lab's CPU benchmarks) the times are process CPU seconds (`gpt2_s`, `delta_s`, `ratio`,
+    `ratio_min`, `ratio_max`), wall seconds beside them (`gpt2_wall_s`, `delta_wall_s`, `wall_ratio`). With `device`,
+    the one the calls run on, they are wall seconds alone, `device` synchronised around each call (an accelerator's
+    work is no CPU time of this process): `baseline_s`, `delta_s`, `ratio`, `ratio_min`, `ratio_max`."""
     for _ in range(warmup):
         fn_a()
         fn_b()
     a, b = [], []
     for i in range(pairs):
-        if i % 2 == 0:
-            a.append(timed(fn_a))
-            b.append(timed(fn_b))
-        else:
-            b.append(timed(fn_b))
-            a.append(timed(fn_a))
-    ratios = [tb[0] / ta[0] for ta, tb in zip(a, b)]
+        for fn, times in ((fn_a, a), (fn_b, b)) if i % 2 == 0 else ((fn_b, b), (fn_a, a)):
+            times.append(timed(fn, device))
+    wall_a, wall_b, wall = _medians([t[1] for t in a], [t[1] for t in b])
+    if device is not None:
+        return {"baseline_s": wall_a, "delta_s": wall_b, **wall, "pairs": pairs}
+    cpu_a, cpu_b, cpu = _medians([t[0] for t in a], [t[0] for t in b])
     return {
-        "gpt2_s": statistics.median(t[0] for t in a),
-        "delta_s": statistics.median(t[0] for t in b),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "gpt2_wall_s": statistics.median(t[1] for t in a),
-        "delta_wall_s": statistics.median(t[1] for t in b),
-        "wall_ratio": statistics.median(tb[1] / ta[1] for ta, tb in zip(a, b)),
+        "gpt2_s": cpu_a,
+        "delta_s": cpu_b,
+        **cpu,
+        "gpt2_wall_s": wall_a,
+        "delta_wall_s": wall_b,
+        "wall_ratio": wall["ratio"],
         "pairs": pairs,
     }
 
@@ -222,16 +251,21 @@ def ratio_spread(timing: dict) -> str:
 
 
 def train_step_fn(
-    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Callable[[], None], torch.optim.Optimizer]:
-    """One training step (forward with the inputs as labels, backward, AdamW) as a callable, and its optimizer."""
+    """One training step (forward with the inputs as labels, under autocast to `autocast` where given; backward,
+    AdamW) as a callable, and its optimizer."""
     import torch
 
     model.train()
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(ids.device.type, dtype=autocast) if autocast else nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -239,17 +273,65 @@ def train_step_fn(
     return step, optimizer
 
 
+def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of parameters, buffers and optimizer state."""
+    import torch
+
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if torch.is_tensor(t)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def peak_train_bytes(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Peak tensor bytes of one training step on the CPU (run after a warm-up step, so AdamW state already exists):
+    what lives before it plus the running sum of the allocations torch.profiler records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before = live_bytes(model, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return before + peak
+
+
+def peak_step_memory(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Peak tensor bytes of one training step (`bytes`), on the model's device: the model's parameters, buffers and
+    AdamW state, plus the most the step allocates on top (CUDA: the caching allocator's peak above what was allocated
+    when the step began; CPU: `peak_train_bytes`). On CUDA also the allocator's own readings, everything in the
+    process counted: `allocated_at_start` and `peak_allocated` (what a graph keeps between steps shows there)."""
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return {"bytes": peak_train_bytes(step, model, optimizer)}
+    before = live_bytes(model, optimizer)
+    synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"bytes": before + peak - start, "allocated_at_start": start, "peak_allocated": peak}
+
+
 def generate_fn(
-    model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, compiled: bool = False
+    model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, compiled: bool = False, **compile_options: Any
 ) -> Callable[[], None]:
-    """Greedy `generate` with the KV cache; `compiled`: static cache and transformers' compiled decoding step."""
+    """Greedy `generate` of exactly `new_tokens` with the KV cache; `compiled`: the static cache and transformers'
+    compiled decoding step (`fullgraph=True`; `compile_options`: CompileConfig's others, e.g. `backend`, `dynamic`)."""
     import torch
     from transformers import CompileConfig
 
     mask = torch.ones_like(prompt)
     extra = {}
     if compiled:
-        compile_config = CompileConfig(fullgraph=True, mode="default")
+        compile_config = CompileConfig(fullgraph=True, mode="default", **compile_options)
         compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless asked
         extra = dict(cache_implementation="static", compile_config=compile_config)
 

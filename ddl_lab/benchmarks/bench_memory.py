@@ -5,9 +5,9 @@
     python -m ddl_lab.benchmarks.bench_memory --quick         # the tiny shape: the pipeline in seconds (tested)
 
 Each row builds the baseline (GPT-2, or Llama for the DeltaLlama row) and the Delta model over the same weights
-(`bench_overhead.build_pair`), runs one warm-up AdamW step on each (so the optimizer state exists), then measures one
+(`ddl_lab.builders.build_pair`), runs one warm-up AdamW step on each (so the optimizer state exists), then measures one
 more training step of each, without and with gradient checkpointing: the peak of tensor bytes (parameters, gradients,
-AdamW state and activations, from the allocator events `torch.profiler` records; `bench_overhead.peak_train_bytes`)
+AdamW state and activations, from the allocator events `torch.profiler` records; `ddl_lab.common.peak_train_bytes`)
 and, without checkpointing, the bytes autograd saves for the backward (`saved_activation_bytes`). Ratios are Delta /
 baseline. The allocator's accounting is exact and deterministic, so the noise floor is the baseline's own spread
 across rows (A/A: the same baseline measured once per row), written beside the ratios.
@@ -31,7 +31,7 @@ from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 from ddl_lab.benchmarks import bench_overhead as bo
 from ddl_lab.builders import SHAPES as BENCH_SHAPES
 from ddl_lab.builders import build_pair
-from ddl_lab.common import provenance, train_step_fn, write_results
+from ddl_lab.common import live_bytes, peak_train_bytes, provenance, train_step_fn, write_results
 
 #: Fields of the authors' preset that `build_pair` sets itself (mode, d_v) or that do not change memory (beta_init).
 PAIR_FIELDS = ("delta_mode", "delta_value_channels", "delta_beta_init")
@@ -83,7 +83,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, checkpointing: bool, comp
     runner = torch.compile(model) if compiled else model
     step, optimizer = train_step_fn(runner, ids)
     step()  # AdamW state, and the compilation when compiled
-    peak = bo.peak_train_bytes(step, model, optimizer)
+    peak = peak_train_bytes(step, model, optimizer)
     del optimizer
     for parameter in model.parameters():
         parameter.grad = None
@@ -120,7 +120,7 @@ def bench_row(name: str, shape_name: str, batch: int, seq: int, compiled: bool) 
         "ratio": saved_delta / saved_base,
     }
     optimizer = torch.optim.AdamW(base.parameters())
-    row["baseline_weights_and_adamw_bytes"] = 4 * bo.live_bytes(base, optimizer)  # params + grads + 2 moments
+    row["baseline_weights_and_adamw_bytes"] = 4 * live_bytes(base, optimizer)  # params + grads + 2 moments
     row["params_ratio"] = bo.n_params(delta) / bo.n_params(base)
     return row
 

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers.utils import logging as hf_logging
 
 from ddl_hf.native import native_build_problem
@@ -46,6 +45,7 @@ from ddl_lab.builders import SHAPES, build_pair, delta_implementation
 from ddl_lab.common import (
     generate_fn,
     interleaved,
+    peak_train_bytes,
     provenance,
     ratio_spread,
     train_and_decode,
@@ -77,28 +77,6 @@ PAPER_VARIANTS = [
     (4, "TC+EC", dict(delta_state_read="temporal_conv", delta_embed_expand="conv")),
     (4, "CC+EC", dict(delta_state_read="channel_conv", delta_embed_expand="conv")),
 ]
-
-
-def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages of parameters, buffers and optimizer state."""
-    tensors = [*model.parameters(), *model.buffers()]
-    for state in optimizer.state.values():
-        tensors += [t for t in state.values() if torch.is_tensor(t)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
-def peak_train_bytes(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Peak tensor bytes of one training step (run after a warm-up step, so AdamW state already exists)."""
-    before = live_bytes(model, optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return before + peak
 
 
 def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:

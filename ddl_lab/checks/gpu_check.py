@@ -41,13 +41,22 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from transformers import CompileConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
-from ddl_lab.benchmarks.bench_overhead import live_bytes, peak_train_bytes
-from ddl_lab.builders import delta_implementation
-from ddl_lab.common import cpu_model, provenance, write_results
+from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_lab import builders
+from ddl_lab.common import (
+    cpu_model,
+    generate_fn,
+    interleaved,
+    peak_step_memory,
+    provenance,
+    synchronize,
+    timed,
+    train_step_fn,
+    write_results,
+)
 
 # --- what is measured --------------------------------------------------------------------------------------------
 
@@ -63,6 +72,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-additive-dv1": ("llama", dict(delta_mode="additive", delta_value_channels=1)),
     "llama-paper-dv4": ("llama", dict(delta_mode="paper", delta_value_channels=4)),
 }
+#: The triton section's extra row: a DeltaNet DeltaGPT, whose "triton" also runs fla's delta rule (where installed).
+DELTA_NET_ROW = "delta-net"
+
+
+def family_of(variant: str) -> str:
+    """The baseline family of a variant (or of DELTA_NET_ROW, a DeltaGPT)."""
+    return "gpt2" if variant == DELTA_NET_ROW else VARIANTS[variant][0]
+
+
 #: Compiled cost rows (kind, variant), in priority order: the budget guard drops the last first. TC decoding runs over
 #: DeltaStaticStateCache (a static cache refused by a model would be recorded as "not supported").
 COMPILED_ROWS = (
@@ -97,59 +115,32 @@ TINY = dict(
 # --- models ------------------------------------------------------------------------------------------------------
 
 
-def base_config(family: str, shape: dict) -> GPT2Config | LlamaConfig:
-    """The baseline's config: GPT-2 (dropout off), or a Llama of the same depth and width (GQA, SwiGLU 8/3·D)."""
-    if family == "llama":
-        return LlamaConfig(
-            num_hidden_layers=shape["n_layer"],
-            hidden_size=shape["n_embd"],
-            num_attention_heads=shape["n_head"],
-            num_key_value_heads=shape["n_head"] // 2,
-            intermediate_size=64 * math.ceil(8 * shape["n_embd"] / 3 / 64),
-            vocab_size=shape.get("llama_vocab_size", shape["vocab_size"]),
-            max_position_embeddings=1024,
-        )
-    return GPT2Config(
-        n_layer=shape["n_layer"],
-        n_embd=shape["n_embd"],
-        n_head=shape["n_head"],
-        vocab_size=shape["vocab_size"],
-        bos_token_id=shape["vocab_size"] - 1,  # <|endoftext|> is the last token, as in GPT-2's 50257
-        eos_token_id=shape["vocab_size"] - 1,
-        n_positions=1024,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-
-
 def build_baseline(family: str, shape: dict) -> PreTrainedModel:
-    torch.manual_seed(0)
-    config = base_config(family, shape)
-    config._attn_implementation = "sdpa"
-    return (LlamaForCausalLM if family == "llama" else GPT2LMHeadModel)(config).eval()
+    """transformers' GPT-2 (dropout off, <|endoftext|> the last token) or a Llama of the same depth and width (GQA,
+    SwiGLU 8/3·D, its own vocabulary), random weights from seed 0, SDPA attention, in eval mode."""
+    if family == "llama":
+        width, vocab = shape["n_embd"], shape.get("llama_vocab_size", shape["vocab_size"])
+        intermediate = 64 * math.ceil(8 * width / 3 / 64)
+        llama = dict(shape, arch="llama", kv_heads=shape["n_head"] // 2, intermediate=intermediate, vocab_size=vocab)
+        return builders.build_baseline(llama).eval()
+    end = shape["vocab_size"] - 1
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return builders.build_baseline(shape, bos_token_id=end, eos_token_id=end, **no_dropout).eval()
 
 
 def build_delta(variant: str, baseline: PreTrainedModel, implementation: str = "auto") -> PreTrainedModel:
-    """The variant over `baseline`'s config, on the CPU, holding every baseline weight (the Delta ones are extra),
-    running `implementation` (`delta_implementation`: "auto", the default, takes Triton's op on CUDA)."""
-    family, fields = VARIANTS[variant]
-    architecture = {
-        k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")
-    }
+    """The variant over `baseline`'s config, on the CPU, holding every baseline weight (the Delta ones are extra, from
+    seed 1), running `implementation` (`delta_implementation`: "auto", the default, takes Triton's op on CUDA)."""
     torch.manual_seed(1)
-    if family == "llama":
-        config = DeltaLlamaConfig(source_model_type="llama", **architecture, **_COMMON, **fields)
-    else:
-        config = DeltaGPTConfig(**architecture, **_COMMON, **fields)
-    config._attn_implementation = "sdpa"
-    delta = (DeltaLlamaForCausalLM if family == "llama" else DeltaGPTForCausalLM)(config)
-    state = {k: v.detach().to("cpu") for k, v in baseline.state_dict().items()}
-    _, unexpected = delta.load_state_dict(state, strict=False)
-    if unexpected:
-        raise RuntimeError(f"baseline weights that the Delta model lacks: {unexpected}")
-    delta.set_delta_implementation(implementation)
-    return delta.eval()
+    return builders.delta_over(baseline, {**_COMMON, **VARIANTS[variant][1]}, implementation).eval()
+
+
+def delta_net(baseline: PreTrainedModel, implementation: str = "eager") -> PreTrainedModel:
+    """A DeltaNet DeltaGPT of `baseline`'s shape (its own weights: the token mixer is not GPT-2's attention)."""
+    fields = {k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    torch.manual_seed(1)
+    config = DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net", delta_implementation=implementation)
+    return DeltaGPTForCausalLM(config)
 
 
 def implementation_ran(model: PreTrainedModel, device: torch.device) -> str:
@@ -180,7 +171,7 @@ def running(model: PreTrainedModel, implementation: str, step: Callable[[], None
     and optimizer stepped either way. Switching costs the host ~0.1 ms a call, within the A/A floor of a step."""
 
     def run() -> None:
-        with delta_implementation(model, implementation):
+        with builders.delta_implementation(model, implementation):
             step()
 
     return run
@@ -188,10 +179,6 @@ def running(model: PreTrainedModel, implementation: str, step: Callable[[], None
 
 def random_ids(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def autocast(device: torch.device, enabled: bool = True) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def free(device: torch.device) -> None:
@@ -216,97 +203,9 @@ def guarded(fn: Callable[[], dict]) -> dict:
 # --- cost --------------------------------------------------------------------------------------------------------
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved(
-    fn_a: Callable[[], object], fn_b: Callable[[], object], pairs: int, device: torch.device, warmup: bool = True
-) -> dict:
-    """Median wall seconds of A and B (order alternating per pair, ABBA) and the median per-pair ratio B / A."""
-    if warmup:
-        fn_a()
-        fn_b()
-    a, b = [], []
-    for i in range(pairs):
-        for fn, times in ((fn_a, a), (fn_b, b)) if i % 2 == 0 else ((fn_b, b), (fn_a, a)):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-    ratios = [tb / ta for ta, tb in zip(a, b)]
-    return {
-        "baseline_s": statistics.median(a),
-        "delta_s": statistics.median(b),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "pairs": pairs,
-    }
-
-
-def train_step_fn(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """Forward (bf16 autocast) with labels, backward, AdamW."""
-
-    def step() -> None:
-        with autocast(ids.device):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def peak_step_memory(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Peak tensor bytes of one training step (`bytes`): the model's parameters, buffers and AdamW state, plus the
-    most the step allocates on top (CUDA: the caching allocator's peak above what was allocated when the step began;
-    CPU: the running sum of the profiler's allocations). On CUDA also the allocator's own readings, everything in
-    the process counted: `allocated_at_start` and `peak_allocated` (what a graph keeps between steps shows there)."""
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        return {"bytes": peak_train_bytes(step, model, optimizer)}  # bench_overhead's, from the profiler
-    before = live_bytes(model, optimizer)
-    synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    return {"bytes": before + peak - start, "allocated_at_start": start, "peak_allocated": peak}
-
-
-def generate_fn(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int, compiled: str | None) -> Callable:
-    """Greedy `generate` of exactly `new_tokens`; `compiled` (a torch.compile backend): static cache and
-    transformers' compiled decoding step."""
-    extra: dict = {}
-    if compiled:
-        # dynamic=False: one static graph per batch size. With automatic dynamic shapes, the second batch size (or
-        # the next model through transformers' shared forward wrapper) recompiles mid-timing into a dynamic graph.
-        config = CompileConfig(fullgraph=True, dynamic=False, backend=compiled, mode="default")
-        config._compile_all_devices = True  # transformers compiles on CUDA only unless asked
-        extra = dict(cache_implementation="static", compile_config=config)
-    mask = torch.ones_like(prompt)
-
-    def run() -> None:
-        with torch.inference_mode():
-            model.generate(
-                prompt,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                **extra,
-            )
-
-    return run
-
-
 class CostRunner:
-    """Holds each family's baseline (and its optimizer, compiled form and A/A floors) across the rows."""
+    """The models every section times: each family's baseline (with its optimizer, compiled form and A/A floors),
+    built once and held across the rows, and the Delta models over it; `train` and `decode` measure one cost row."""
 
     def __init__(self, plan: dict, device: torch.device, backend: str):
         self.plan, self.device, self.backend = plan, device, backend
@@ -321,6 +220,17 @@ class CostRunner:
             self.baselines[family] = {"model": model, "optimizer": optimizer, "floors": {}, "compiled": None}
         return self.baselines[family]
 
+    def delta(self, variant: str, implementation: str = "auto") -> PreTrainedModel:
+        """`variant` (or DELTA_NET_ROW) over its family's baseline, on the device, running `implementation`."""
+        baseline = self.baseline(family_of(variant))["model"]
+        if variant == DELTA_NET_ROW:
+            model = delta_net(baseline, implementation)
+        else:
+            model = build_delta(variant, baseline, implementation)
+        model = model.to(self.device)
+        model.loss_type = "ForCausalLM"
+        return model
+
     def ids(self, vocab: int) -> torch.Tensor:
         return random_ids(vocab, self.shape["batch"], self.shape["seq"], seed=4).to(self.device)
 
@@ -330,11 +240,26 @@ class CostRunner:
             floors[metric] = measure()
         return floors[metric]
 
+    def floors(self) -> dict:
+        """Each family's A/A floors so far, by metric."""
+        return {family: dict(base["floors"]) for family, base in self.baselines.items()}
+
+    def against_baseline(
+        self, family: str, metric: str, run_a: Callable, run_b: Callable, pairs: int, tokens: int, warmup: int = 0
+    ) -> dict:
+        """`run_b` timed against the baseline's `run_a` in interleaved pairs (`throughput`), beside the A/A floor of
+        `metric`: `run_a` timed against itself, once per family."""
+
+        def timing(run: Callable) -> dict:
+            return interleaved(run_a, run, pairs, warmup, self.device)
+
+        floor = self.floor(family, metric, lambda: timing(run_a))
+        return throughput(timing(run_b), floor, tokens)
+
     def train(self, variant: str, compiled: bool) -> dict:
         family = VARIANTS[variant][0]
         base = self.baseline(family)
-        delta = build_delta(variant, base["model"], "auto").to(self.device)
-        delta.loss_type = "ForCausalLM"
+        delta = self.delta(variant)
         models = [base["model"], delta]
         if compiled:
             if base["compiled"] is None:
@@ -342,20 +267,14 @@ class CostRunner:
             callables = [base["compiled"], torch.compile(delta, fullgraph=True, dynamic=False, backend=self.backend)]
         else:
             callables = models
-        for model in models:
-            model.train()
         ids = self.ids(base["model"].config.vocab_size)
         optimizer = torch.optim.AdamW(delta.parameters(), lr=1e-4)
-        step_a = train_step_fn(callables[0], ids, base["optimizer"])
-        step_b = train_step_fn(callables[1], ids, optimizer)
+        step_a, _ = train_step_fn(callables[0], ids, base["optimizer"], autocast=torch.bfloat16)
+        step_b, _ = train_step_fn(callables[1], ids, optimizer, autocast=torch.bfloat16)
         kind = "compiled" if compiled else "eager"
-        pairs = self.plan["train_pairs"]
         for step in (step_a, step_b):  # compiles (when compiled) and creates the AdamW state: not timed
             step()
             step()
-
-        def aa_time() -> dict:
-            return interleaved(step_a, step_a, pairs, self.device, warmup=False)
 
         def aa_memory() -> dict:
             first = peak_step_memory(step_a, base["model"], base["optimizer"])
@@ -367,16 +286,15 @@ class CostRunner:
                 "baseline_allocator": {k: v for k, v in first.items() if k != "bytes"},
             }
 
-        floor_time = self.floor(family, f"train_{kind}", aa_time)
+        timing = self.against_baseline(family, f"train_{kind}", step_a, step_b, self.plan["train_pairs"], ids.numel())
         floor_memory = self.floor(family, f"memory_{kind}", aa_memory)
-        timing = interleaved(step_a, step_b, pairs, self.device, warmup=False)
         memory_a = floor_memory["baseline_bytes"]  # the baseline's step does not change between rows
         memory_b = peak_step_memory(step_b, delta, optimizer)
         for model in models:
             model.eval()
         return {
             "implementation": implementation_ran(delta, self.device),
-            f"train_{kind}": throughput(timing, floor_time, ids.numel()),
+            f"train_{kind}": timing,
             f"peak_train_memory_{kind}": {
                 "baseline_bytes": memory_a,
                 "delta_bytes": memory_b["bytes"],
@@ -389,16 +307,17 @@ class CostRunner:
 
     def decode(self, variant: str, compiled: bool) -> dict:
         family = VARIANTS[variant][0]
-        base = self.baseline(family)
-        baseline = base["model"].eval()
-        delta = build_delta(variant, baseline, "auto").to(self.device).eval()
-        backend = self.backend if compiled else None
+        baseline = self.baseline(family)["model"].eval()
+        delta = self.delta(variant).eval()
         kind = "compiled" if compiled else "eager"
         n = self.plan["new_tokens"]
         record = {"implementation": implementation_ran(delta, self.device)}
         for batch in self.plan["decode_batches"]:
             prompt = random_ids(baseline.config.vocab_size, batch, self.shape["prompt"], seed=5).to(self.device)
-            run_a, run_b = (generate_fn(m, prompt, n, backend) for m in (baseline, delta))
+            # dynamic=False: one static graph per batch size. With automatic dynamic shapes, the second batch size (or
+            # the next model through transformers' shared forward wrapper) recompiles mid-timing into a dynamic graph.
+            options = dict(backend=self.backend, dynamic=False)
+            run_a, run_b = (generate_fn(m, prompt, n, compiled, **options) for m in (baseline, delta))
             metric = f"decode_b{batch}_{kind}"
             try:
                 run_b()  # the first call compiles, or refuses the static cache
@@ -407,11 +326,8 @@ class CostRunner:
                     raise
                 record[metric] = {"status": "not supported", "reason": str(error)[:500]}
                 continue
-            floor = self.floor(
-                family, metric, lambda run_a=run_a: interleaved(run_a, run_a, self.plan["decode_pairs"], self.device)
-            )
-            timing = interleaved(run_a, run_b, self.plan["decode_pairs"], self.device)
-            record[metric] = throughput(timing, floor, batch * n)
+            pairs = self.plan["decode_pairs"]
+            record[metric] = self.against_baseline(family, metric, run_a, run_b, pairs, batch * n, warmup=1)
         return record
 
 
@@ -494,7 +410,7 @@ def _cost_row(
         if any("ratio" in m for m in _metrics(row).values()):  # a refusal says nothing about the next row's time
             last[kind, compiled] = row["wall_s"]
     section["rows"].append(row)
-    section["floors"] = {f: dict(b["floors"]) for f, b in runner.baselines.items()}
+    section["floors"] = runner.floors()
     free(device)
     print(
         f"cost        {kind:6s} {'compiled' if compiled else 'eager':8s} {variant:20s} {_cost_line(row)}",
@@ -591,25 +507,16 @@ def profile_section(plan: dict, device: torch.device) -> dict:
     device's busy time and kernel launches from one profiled step. Busy well below wall: the host's dispatch sets the
     pace (more launches cost time even when each is short); busy near wall: the kernels do, and "other" says how much
     of them is not matmul or attention. The triton section profiles "eager" beside "triton"."""
-    shape = plan["cost"]
-    baseline = build_baseline("gpt2", shape).to(device)
-    baseline.loss_type = "ForCausalLM"
-    ids = random_ids(shape["vocab_size"], shape["batch"], shape["seq"], seed=4).to(device)
+    runner = CostRunner(plan, device, backend="eager")  # eager steps only: its baseline GPT-2 and token ids
+    baseline = runner.baseline("gpt2")["model"]
+    ids = runner.ids(baseline.config.vocab_size)
     rows = []
     for name in ("gpt2", *PROFILE_VARIANTS):
-        model = baseline if name == "gpt2" else build_delta(name, baseline, "auto").to(device)
-        model.loss_type = "ForCausalLM"
-        model.train()
-        step = train_step_fn(model, ids, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        model = baseline if name == "gpt2" else runner.delta(name)
+        step, _ = train_step_fn(model, ids, autocast=torch.bfloat16)
         step()
         step()  # AdamW's state exists; caches are warm
-        walls = []
-        for _ in range(3):
-            synchronize(device)
-            begin = time.perf_counter()
-            step()
-            synchronize(device)
-            walls.append(time.perf_counter() - begin)
+        walls = [timed(step, device)[1] for _ in range(3)]
         record = {"model": name, "implementation": "-" if model is baseline else implementation_ran(model, device)}
         record.update(wall_ms=statistics.median(walls) * 1e3, **step_kernels(step, device))
         rows.append(record)
@@ -622,36 +529,24 @@ def profile_section(plan: dict, device: torch.device) -> dict:
         if model is not baseline:
             del model, step
             free(device)
-    return {"shape": shape, "tokens": ids.numel(), "rows": rows}
+    return {"shape": plan["cost"], "tokens": ids.numel(), "rows": rows}
 
 
 # --- triton: the Delta residual as one Triton op against the tensor ops (ddl_hf.triton_delta) -------------------
 
 #: The two implementations the section compares: the tensor ops, and one Triton op per Delta residual.
 TRITON_PAIR = ("eager", "triton")
-#: The triton section's extra row: a DeltaNet DeltaGPT, whose "triton" also runs fla's delta rule (where installed).
-DELTA_NET_ROW = "delta-net"
-
-
-def delta_net(baseline: PreTrainedModel) -> PreTrainedModel:
-    """A DeltaNet DeltaGPT of `baseline`'s shape (its own weights: the token mixer is not GPT-2's attention)."""
-    fields = {k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")}
-    torch.manual_seed(1)
-    config = DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net", delta_implementation="eager")
-    return DeltaGPTForCausalLM(config)
 
 
 def triton_row(runner: CostRunner, variant: str, implementation: str, launches: dict) -> dict:
     """One variant (or DELTA_NET_ROW): its eager training step with "eager" and with `implementation` (one model, the
     same AdamW) each against the baseline's (its A/A floor is the cost section's, `CostRunner.floor`), then the
     launches of one profiled step of each. `launches`: each family's baseline launches, profiled once."""
-    family = "gpt2" if variant == DELTA_NET_ROW else VARIANTS[variant][0]
+    family = family_of(variant)
     device = runner.device
     base = runner.baseline(family)
-    baseline = base["model"].train()
-    delta = delta_net(baseline) if variant == DELTA_NET_ROW else build_delta(variant, baseline, "eager")
-    delta = delta.to(device).train()
-    delta.loss_type = "ForCausalLM"
+    baseline = base["model"]
+    delta = runner.delta(variant, "eager")
     ids = runner.ids(baseline.config.vocab_size)
     row: dict = {
         "variant": variant,
@@ -662,16 +557,15 @@ def triton_row(runner: CostRunner, variant: str, implementation: str, launches: 
         from ddl_hf.fla_kernels import fla_available
 
         row["fla"] = implementation == "triton" and device.type == "cuda" and fla_available()
-    delta_step = train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
+    delta_step, _ = train_step_fn(delta, ids, autocast=torch.bfloat16)
     steps = {"eager": running(delta, "eager", delta_step), "triton": running(delta, implementation, delta_step)}
-    base_step = train_step_fn(baseline, ids, base["optimizer"])
+    base_step, _ = train_step_fn(baseline, ids, base["optimizer"], autocast=torch.bfloat16)
     for step in (base_step, *steps.values()):  # AdamW's state, Triton's compilation: not timed
         step()
         step()
     pairs = runner.plan["train_pairs"]
-    floor = runner.floor(family, "train_eager", lambda: interleaved(base_step, base_step, pairs, device, warmup=False))
     for name, step in steps.items():
-        row[f"train_{name}"] = throughput(interleaved(base_step, step, pairs, device, warmup=False), floor, ids.numel())
+        row[f"train_{name}"] = runner.against_baseline(family, "train_eager", base_step, step, pairs, ids.numel())
     row["triton_vs_eager"] = row["train_triton"]["delta_s"] / row["train_eager"]["delta_s"]
     if family not in launches:
         launches[family] = step_kernels(base_step, device)
@@ -700,7 +594,7 @@ def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dic
         row = guarded(lambda variant=variant: triton_row(runner, variant, implementation, launches))
         row.setdefault("variant", variant)
         section["rows"].append(row)
-        section["floors"] = {family: dict(b["floors"]) for family, b in runner.baselines.items()}
+        section["floors"] = runner.floors()
         free(device)
         print(f"triton      {variant:20s} {_triton_line(row)}", flush=True)
     return section

@@ -167,6 +167,7 @@ def test_budget_guard_skips_the_rows_past_the_budget():
 TRITON_SCRIPT = """
 import json, sys, torch
 from ddl_lab.checks import gpu_check
+from ddl_lab.common import train_step_fn
 device = torch.device("cpu")
 assert gpu_check.triton_unavailable(device) is None
 shape = dict(gpu_check.TINY["cost"], seq=16)
@@ -174,7 +175,7 @@ baseline = gpu_check.build_baseline("gpt2", shape)
 delta = gpu_check.build_delta("paper-dv4", baseline, "eager").train()
 delta.loss_type = "ForCausalLM"
 ids = gpu_check.random_ids(delta.config.vocab_size, 2, shape["seq"], seed=2)
-step = gpu_check.train_step_fn(delta, ids, torch.optim.AdamW(delta.parameters(), lr=1e-4))
+step, _ = train_step_fn(delta, ids, autocast=torch.bfloat16)
 calls = {name: gpu_check.step_kernels(gpu_check.running(delta, name, step), device)["triton_op_calls"]
          for name in gpu_check.TRITON_PAIR}
 print(json.dumps({"calls": calls, "layers": delta.config.n_layer}))

@@ -7,6 +7,7 @@ import os
 import subprocess
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,3 +102,83 @@ def test_the_step_profile_attributes_the_tc_read_only_to_variants_that_have_one(
     assert saved["provenance"]["command"].startswith("python -m ddl_lab.benchmarks.profile_variant_step --quick")
     table = (tmp_path / "variant_step_profile_quick.md").read_text()
     assert table.count("\n| ") == 1 + len(rows)  # the header, then one line per variant
+
+
+class FakeClocks:
+    """Process CPU time and wall time that move only when a timed call runs: each call adds its (CPU, wall) seconds
+    and logs its name, so that what `interleaved` reports can be computed by hand."""
+
+    def __init__(self) -> None:
+        self.cpu = self.wall = 0.0
+        self.log: list[str] = []
+
+    def call(self, name: str, cpu: float, wall: float):
+        def run() -> None:
+            self.log.append(name)
+            self.cpu += cpu
+            self.wall += wall
+
+        return run
+
+
+def test_interleaved_alternates_the_order_and_reports_the_clock_of_its_caller(monkeypatch):
+    """A costs (1 s CPU, 2 s wall) a call, B (3, 4) in odd pairs and (1.5, 6) in even ones: the CPU benchmarks' result
+    (no device) reads process CPU time with wall beside it, a device's reads wall time alone, each the median of the
+    per-pair ratios B / A with the smallest and largest; the order alternates AB, BA, ... after the warm-up calls, and
+    the device is synchronised before and after each timed call."""
+    clocks = FakeClocks()
+    monkeypatch.setattr(common.time, "process_time", lambda: clocks.cpu)
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clocks.wall)
+    costs = iter([(3.0, 4.0), (1.5, 6.0)] * 10)
+
+    def fn_b() -> None:
+        cpu, wall = next(costs)
+        clocks.call("b", cpu, wall)()
+
+    fn_a = clocks.call("a", 1.0, 2.0)
+    result = common.interleaved(fn_a, fn_b, pairs=3, warmup=1)
+    assert clocks.log == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then AB BA AB
+    # timed B calls: the warm-up took (3, 4); then (1.5, 6), (3, 4), (1.5, 6)
+    assert result == {
+        "gpt2_s": 1.0,
+        "delta_s": 1.5,
+        "ratio": 1.5,
+        "ratio_min": 1.5,
+        "ratio_max": 3.0,
+        "gpt2_wall_s": 2.0,
+        "delta_wall_s": 6.0,
+        "wall_ratio": 3.0,
+        "pairs": 3,
+    }
+
+    synchronised: list[str] = []
+    monkeypatch.setattr(common, "synchronize", lambda device: synchronised.append(str(device)))
+    clocks.log.clear()
+    result = common.interleaved(fn_a, fn_b, pairs=2, warmup=0, device=torch.device("cpu"))
+    assert clocks.log == ["a", "b", "b", "a"] and synchronised == ["cpu"] * 8  # before and after each of 4 calls
+    # timed B calls: (3, 4), (1.5, 6): wall ratios 2 and 3
+    assert result == {"baseline_s": 2.0, "delta_s": 5.0, "ratio": 2.5, "ratio_min": 2.0, "ratio_max": 3.0, "pairs": 2}
+
+
+def test_a_training_step_runs_under_the_autocast_it_is_given():
+    """`train_step_fn(autocast=torch.bfloat16)` runs the forward under bf16 autocast on the inputs' device, and
+    without it under none; either way the step trains (AdamW moves the weights)."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+            seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+            loss = (input_ids.float() @ self.weight).square().mean()
+            return SimpleNamespace(loss=loss)
+
+    ids = torch.ones(2, 4, dtype=torch.long)
+    for autocast in (torch.bfloat16, None):
+        model = Probe()
+        step, _ = common.train_step_fn(model, ids, autocast=autocast)
+        step()
+        assert seen.pop() == autocast and model.training
+        assert not torch.equal(model.weight, torch.ones(4, 4))
