@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddl_lab.checks import gpu_check
+from ddl_lab.checks import gpu_check, gpu_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ddl_lab" / "checks" / "gpu_check.py"
@@ -76,7 +76,7 @@ def test_every_ratio_comes_with_its_aa_floor(run):
     for row in rows:
         assert row["status"] == "ok", row
         assert row["implementation"] == "auto → eager", row  # "auto" runs the tensor ops on the CPU
-        for name, metric in gpu_check._metrics(row).items():
+        for name, metric in gpu_report.metrics(row).items():
             ratios += 1
             assert metric["ratio"] > 0 and metric["aa_floor"]["ratio"] > 0, (row["variant"], name)
             if "baseline_tokens_per_s" in metric:  # timed: tokens/s of both and the A/A spread
@@ -142,7 +142,7 @@ def test_memory_rows_keep_the_allocators_readings_beside_the_ratio(run):
     """On CUDA the allocator's own start and peak sit beside each memory ratio (empty on the CPU, which has none)."""
     results, _ = run
     for row in results["cost"]["rows"]:
-        for name, metric in gpu_check._metrics(row).items():
+        for name, metric in gpu_report.metrics(row).items():
             if "baseline_bytes" in metric:
                 assert metric["baseline_allocator"] == {} and metric["delta_allocator"] == {}, name
 
@@ -166,7 +166,7 @@ def test_budget_guard_skips_the_rows_past_the_budget():
 # Under Triton's interpreter (set before Triton is imported: a fresh interpreter), the real op, tiny.
 TRITON_SCRIPT = """
 import json, sys, torch
-from ddl_lab.checks import gpu_check
+from ddl_lab.checks import gpu_check, gpu_report
 from ddl_lab.common import train_step_fn
 device = torch.device("cpu")
 assert gpu_check.triton_unavailable(device) is None
