@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 # First: below the supported transformers / torch it stops here with one clear error (delta_compat.py).
-from .delta_compat import cache_argument, cache_of, takes_cache
+from .delta_compat import CACHE_ARG, cache_argument, cache_of, takes_cache
 
 # isort: split
 from transformers.cache_utils import Cache
@@ -48,6 +48,20 @@ class DeltaTokenClassifierOutput(DeltaOutputs, TokenClassifierOutput):
 @dataclass
 class DeltaQuestionAnsweringOutput(DeltaOutputs, QuestionAnsweringModelOutput):
     """`QuestionAnsweringModelOutput` and the Delta outputs (`DeltaOutputs`)."""
+
+
+def head_output(output_class: type, outputs: DeltaOutputs, **head_fields) -> DeltaOutputs:
+    """A head's output: its own fields (`loss`, `logits`, ...) and what the Delta stack returned, passed through as
+    it came: the cache (where `output_class` keeps one), hidden states, attentions, betas and expanded states."""
+    stack = dict(
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        betas=outputs.betas,
+        expanded_states=outputs.expanded_states,
+    )
+    if CACHE_ARG in output_class.__dataclass_fields__:
+        stack.update(cache_argument(cache_of(outputs)))
+    return output_class(**head_fields, **stack)
 
 
 class DeltaForSequenceClassification:
@@ -111,15 +125,7 @@ class DeltaForSequenceClassification:
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
 
-        return DeltaSequenceClassifierOutput(
-            loss=loss,
-            logits=pooled_logits,
-            **cache_argument(cache_of(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
-        )
+        return head_output(DeltaSequenceClassifierOutput, outputs, loss=loss, logits=pooled_logits)
 
 
 class DeltaForTokenClassification:
@@ -175,14 +181,7 @@ class DeltaForTokenClassification:
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config)
 
-        return DeltaTokenClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
-        )
+        return head_output(DeltaTokenClassifierOutput, outputs, loss=loss, logits=logits)
 
 
 class DeltaForQuestionAnswering:
@@ -229,14 +228,8 @@ class DeltaForQuestionAnswering:
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
 
-        return DeltaQuestionAnsweringOutput(
-            loss=loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
+        return head_output(
+            DeltaQuestionAnsweringOutput, outputs, loss=loss, start_logits=start_logits, end_logits=end_logits
         )
 
 
@@ -247,4 +240,5 @@ __all__ = [
     "DeltaQuestionAnsweringOutput",
     "DeltaSequenceClassifierOutput",
     "DeltaTokenClassifierOutput",
+    "head_output",
 ]

@@ -29,7 +29,6 @@ from torch import nn
 from .delta_compat import (
     OutputRecorder,
     cache_argument,
-    cache_of,
     capture_outputs,
     merge_with_config_defaults,
     slice_logits_to_keep,
@@ -49,7 +48,12 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_gpt import DeltaGPTConfig
-from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassification, DeltaForTokenClassification
+from .delta_heads import (
+    DeltaForQuestionAnswering,
+    DeltaForSequenceClassification,
+    DeltaForTokenClassification,
+    head_output,
+)
 from .delta_layers import DeltaResidual
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_net import DeltaNetAttention
@@ -396,15 +400,7 @@ class DeltaGPTForCausalLM(DeltaGPTPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
 
-        return DeltaGPTCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            **cache_argument(cache_of(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
-        )
+        return head_output(DeltaGPTCausalLMOutput, outputs, loss=loss, logits=logits)
 
 
 class DeltaGPTForSequenceClassification(DeltaForSequenceClassification, DeltaGPTPreTrainedModel):

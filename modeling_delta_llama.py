@@ -30,7 +30,6 @@ from torch import nn
 from .delta_compat import (
     OutputRecorder,
     cache_argument,
-    cache_of,
     capture_outputs,
     merge_with_config_defaults,
     slice_logits_to_keep,
@@ -57,7 +56,12 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Q
 from transformers.utils import can_return_tuple
 
 from .configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
-from .delta_heads import DeltaForQuestionAnswering, DeltaForSequenceClassification, DeltaForTokenClassification
+from .delta_heads import (
+    DeltaForQuestionAnswering,
+    DeltaForSequenceClassification,
+    DeltaForTokenClassification,
+    head_output,
+)
 from .delta_layers import DeltaResidual, spectral_std
 from .delta_model import DeltaOutputs, DeltaPreTrainedMixin, DeltaStackMixin, check_token_ids
 from .delta_reads import DeltaConvContext, DeltaRead
@@ -346,15 +350,7 @@ class DeltaLlamaForCausalLM(DeltaLlamaPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
-        return DeltaLlamaCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            **cache_argument(cache_of(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            betas=outputs.betas,
-            expanded_states=outputs.expanded_states,
-        )
+        return head_output(DeltaLlamaCausalLMOutput, outputs, loss=loss, logits=logits)
 
 
 class DeltaLlamaForSequenceClassification(DeltaForSequenceClassification, DeltaLlamaPreTrainedModel):
