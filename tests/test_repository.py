@@ -114,7 +114,7 @@ def test_each_block_forward_is_eq_2_5_in_a_dozen_lines_without_closures():
 def test_every_entry_of_the_compatibility_subset_names_a_test():
     """CI runs `pytest -m compat` on the oldest transformers and the torch range: an entry that no longer names a
     file or a test (a file moved or renamed) would shrink that subset without an error."""
-    from conftest import COMPAT_SUBSET
+    from tests.conftest import COMPAT_SUBSET
 
     files = {path.name: path.read_text(encoding="utf-8") for path in ROOT.glob("tests/**/test_*.py")}
     missing = []

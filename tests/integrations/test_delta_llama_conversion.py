@@ -20,17 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import build_source
-from gpt2_fixtures import byte_tokenizer, text_ids
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
-from test_conversion_cli import _partial_save_then, assert_refused
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import build_source
+from tests.conversion_runs import assert_refused, partial_save_then
+from tests.gpt2_fixtures import byte_tokenizer, text_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -351,7 +351,7 @@ def test_full_disk_mid_write_leaves_nothing(source_dirs, tmp_path, capsys, monke
     monkeypatch.setattr(
         ddl_hf.DeltaLlamaForCausalLM,
         "save_pretrained",
-        _partial_save_then(OSError(errno.ENOSPC, "No space left on device")),
+        partial_save_then(OSError(errno.ENOSPC, "No space left on device")),
     )
     out = tmp_path / "nested" / "out"
     code = run_convert("--source", str(source_dirs["llama"]), "--output", str(out))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import VOCAB, variant_model
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_argument, cache_of
@@ -18,6 +17,7 @@ from ddl_hf.delta_ops import (
     temporal_conv_read,
 )
 from ddl_hf.delta_reads import DeltaConvContext, DeltaStateCache
+from tests.builders import VOCAB, variant_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

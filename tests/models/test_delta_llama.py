@@ -8,10 +8,6 @@ import sys
 
 import pytest
 import torch
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import LLAMA_TINY as TINY
-from builders import VOCAB, build_source, random_ids, to_delta
-from builders import open_llama_gates as open_gates
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -21,6 +17,10 @@ from transformers import (
 import ddl_hf
 from ddl_hf import ConversionError, DeltaLlamaConfig, DeltaLlamaForCausalLM
 from ddl_hf.delta_compat import cache_of
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import LLAMA_TINY as TINY
+from tests.builders import VOCAB, build_source, random_ids, to_delta
+from tests.builders import open_llama_gates as open_gates
 
 PAD = 0
 

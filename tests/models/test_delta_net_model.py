@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import DELTA_NET, delta_config, delta_model, enable_activation_checkpointing
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments
 from transformers.cache_utils import LinearAttentionLayer
@@ -14,6 +13,7 @@ from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 from ddl_hf.delta_compat import cache_of
 from ddl_hf.delta_net import DeltaNetAttention, DeltaNetCache
 from ddl_hf.delta_ops import delta_rule_recurrent
+from tests.builders import DELTA_NET, delta_config, delta_model, enable_activation_checkpointing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,7 +12,12 @@ import logging
 
 import pytest
 import torch
-from builders import (
+from transformers import AutoModelForCausalLM, StaticCache, Trainer, TrainingArguments, pipeline
+from transformers.utils import logging as hf_logging
+
+import ddl_hf
+from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import (
     BYTE_LEVEL,
     CLIENT_VARIANTS,
     VOCAB,
@@ -23,14 +28,9 @@ from builders import (
     random_ids,
     scramble_delta_weights,
 )
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import open_llama_gates as open_gates
-from gpt2_fixtures import byte_tokenizer
-from transformers import AutoModelForCausalLM, StaticCache, Trainer, TrainingArguments, pipeline
-from transformers.utils import logging as hf_logging
-
-import ddl_hf
-from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import open_llama_gates as open_gates
+from tests.gpt2_fixtures import byte_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")
 

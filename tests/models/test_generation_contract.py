@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, DELTA_NET, delta_config, delta_model, scramble_delta_weights
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddl_hf
 from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import CLIENT_VARIANTS, DELTA_NET, delta_config, delta_model, scramble_delta_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

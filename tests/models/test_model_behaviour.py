@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import VOCAB, delta_config, delta_model, enable_activation_checkpointing, open_gates
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -19,6 +18,7 @@ from transformers import (
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_of
+from tests.builders import VOCAB, delta_config, delta_model, enable_activation_checkpointing, open_gates
 
 MODES = [("additive", 1), ("additive", 4), ("paper", 1), ("paper", 3)]
 
@@ -199,7 +199,7 @@ def test_expanded_hidden_states_retain_a_gradient_that_is_the_states_along_the_r
     if model_kind == "gpt":
         model = delta_model(delta_value_channels=3, delta_mode="paper")
     else:
-        from builders import build_source
+        from tests.builders import build_source
 
         model = ddl_hf.convert_llama(build_source("qwen3", vocab_size=VOCAB), delta_value_channels=3)
     open_gates(model)

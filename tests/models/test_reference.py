@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import VOCAB, delta_config, delta_model, scramble_delta_weights
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ddl_hf
 from ddl_hf import DeltaGPTConfig, DeltaLlamaConfig, DeltaLlamaForCausalLM
 from ddl_hf.delta_layers import REFERENCE_COMMIT, DeltaResidual, spectral_std
+from tests.builders import VOCAB, delta_config, delta_model, scramble_delta_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

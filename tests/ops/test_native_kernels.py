@@ -23,30 +23,6 @@ import sys
 
 import pytest
 import torch
-from builders import (
-    CLIENT_VARIANTS,
-    VOCAB,
-    build_source,
-    delta_config,
-    delta_model,
-    scramble_delta_weights,
-    to_delta,
-    variant_model,
-)
-from builders import open_llama_gates as llama_open_gates
-from rounding import ROUNDING_FACTOR
-from test_delta_net_clients import packed_row
-from test_delta_residual import (
-    VALUE_FIELDS,
-    VIEW_CASES,
-    assert_one_token_matches_the_float64_reference,
-    inputs,
-    read_of,
-    reference,
-    residual,
-    step,
-)
-from test_fused_delta import EPS, dense_reference, make_inputs
 
 import ddl_hf.kernels as backends
 import ddl_hf.native as native
@@ -66,6 +42,32 @@ from ddl_hf.delta_reads import DeltaStateConv
 from ddl_hf.kernels import DeltaImplementationUnavailable
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
 from ddl_hf.native import NativeKernelUnavailable
+from tests.builders import (
+    CLIENT_VARIANTS,
+    VOCAB,
+    build_source,
+    delta_config,
+    delta_model,
+    packed_row,
+    scramble_delta_weights,
+    to_delta,
+    variant_model,
+)
+from tests.builders import open_llama_gates as llama_open_gates
+from tests.residual_references import (
+    EPS,
+    VALUE_FIELDS,
+    VIEW_CASES,
+    assert_one_token_matches_the_float64_reference,
+    dense_reference,
+    inputs,
+    make_inputs,
+    read_of,
+    reference,
+    residual,
+    step,
+)
+from tests.rounding import ROUNDING_FACTOR
 
 TC = dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper")
 NATIVE = dict(delta_implementation="native")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.subprocesses import run_python
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "checks"))
 import gpu_check
@@ -286,18 +287,8 @@ print(json.dumps({"record": record, "calls": calls, "layers": delta.config.n_lay
 def test_the_triton_models_loss_and_gradients_pass_and_its_op_is_counted_under_the_interpreter():
     """The real `ddl_hf::delta_residual` op (Triton's interpreter on CPU tensors): the triton section's bf16 loss and
     gradient check passes, and its launch count sees one op call per Delta residual forward, none with "eager"."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, str(ROOT / "checks")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_python("-c", TRITON_SCRIPT, str(ROOT / "checks"), triton_interpreter=True)
+    result = json.loads(stdout.strip().splitlines()[-1])
     record = result["record"]
     assert record["status"] == "pass" and record["implementation"] == "triton", record
     assert record["grads"]["parameters"] > 0 and "missing" not in record["grads"], record
