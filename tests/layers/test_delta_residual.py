@@ -18,6 +18,7 @@ from ddl_hf.delta_ops import delta_gate, delta_update, fused_delta_update, unit_
 from ddl_hf.delta_reads import DeltaRead
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
 from tests.builders import VOCAB, delta_config, delta_model, open_gates
+from tests.greedy import assert_generations_match
 from tests.residual_references import (
     CASES,
     VALUE_FIELDS,
@@ -152,8 +153,7 @@ def test_greedy_decoding_matches_the_readable_reference(d_v, mode):
         fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
         with readable_residuals():
             plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
-    assert torch.equal(fast.sequences, plain.sequences)
-    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+    assert_generations_match(plain, fast, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)

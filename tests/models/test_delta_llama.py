@@ -21,6 +21,7 @@ from tests.builders import LLAMA_FAMILIES as FAMILIES
 from tests.builders import LLAMA_TINY as TINY
 from tests.builders import VOCAB, build_source, random_ids, to_delta
 from tests.builders import open_llama_gates as open_gates
+from tests.greedy import greedy_reference
 
 PAD = 0
 
@@ -96,9 +97,9 @@ def test_cached_generation_equals_uncached(family, overrides):
     model = open_gates(to_delta(build_source(family), delta_init="reference", **overrides))
     prompt = random_ids(batch=2, length=6)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=PAD)
-    cached = model.generate(prompt, use_cache=True, **kwargs)
-    uncached = model.generate(prompt, use_cache=False, **kwargs)
-    assert torch.equal(cached, uncached)
+    reference = greedy_reference(model, prompt, use_cache=True, **kwargs)
+    reference.assert_matches(model.generate(prompt, use_cache=False, **kwargs)[:, 6:])
+    cached = torch.cat([prompt, reference.tokens], dim=1)
     with torch.no_grad():  # the last step's logits, too: cached prefill + one step == one full forward
         full = model(cached[:, :-1]).logits[:, -1]
         step = model(cached[:, :-2], use_cache=True)
@@ -121,10 +122,8 @@ def test_left_padded_batch_equals_each_prompt_alone(family, overrides):
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
     kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=PAD)
-    batch = model.generate(ids, attention_mask=mask, **kwargs)
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(prompt[None], **kwargs)
-        assert torch.equal(batch[row, width:], alone[0, len(prompt) :])
+    batch = greedy_reference(model, ids, attention_mask=mask, **kwargs)
+    batch.assert_matches(torch.stack([model.generate(p[None], **kwargs)[0, len(p) :] for p in prompts]))
     # A plain forward with the mask and no position_ids (generate passes position_ids, which restart the temporal
     # windows at the first real token): the mask alone keeps padding out; RoPE makes the offset irrelevant.
     with torch.no_grad():

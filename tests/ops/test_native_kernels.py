@@ -54,6 +54,7 @@ from tests.builders import (
     variant_model,
 )
 from tests.builders import open_llama_gates as llama_open_gates
+from tests.greedy import assert_generations_match
 from tests.residual_references import (
     EPS,
     VALUE_FIELDS,
@@ -650,8 +651,7 @@ def test_a_model_generates_with_the_native_kernels_as_with_tensor_ops(spy, varia
         # every residual of the prompt and of each step as one call: gate, value and update
         assert spy.calls == {"residual_step_forward": len(updates)} | ({"tc_read_forward": len(reads)} if reads else {})
         spy.calls.clear()
-        assert torch.equal(fast.sequences, plain.sequences)
-        torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+        assert_generations_match(plain, fast, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fields", [{}, {"delta_state_read": "temporal_conv"}], ids=["linear", "TC"])
@@ -670,8 +670,7 @@ def test_delta_llama_decodes_with_the_native_kernels_as_with_tensor_ops(spy, fie
     assert spy.calls["residual_step_forward"] == 8 * residuals  # the prefill and 7 one-token steps
     assert spy.calls["delta_update_forward"] == 0
     assert spy.calls["tc_read_forward"] == (8 * len(tc_reads(model)) if fields else 0)
-    assert torch.equal(fast.sequences, plain.sequences)
-    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+    assert_generations_match(plain, fast, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
