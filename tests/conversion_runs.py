@@ -1,5 +1,5 @@
-"""What the conversion tests share: a refused conversion leaves nothing behind, a save that fails halfway, and the
-Hub API replaced by a recorder of what an upload sends (no network here)."""
+"""What the conversion tests share: the Hub code files a saved model ships, a refused conversion leaves nothing
+behind, a save that fails halfway, and the Hub API replaced by a recorder of what an upload sends (no network here)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,31 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+
+#: The Hub code a saved DeltaGPT ships beside its weights (the root files it imports, relatively).
+DELTA_GPT_CODE = (
+    "configuration_delta_gpt.py",
+    "modeling_delta_gpt.py",
+    "delta_layers.py",
+    "delta_model.py",
+    "delta_heads.py",
+    "delta_reads.py",
+    "delta_net.py",
+    "delta_ops.py",
+    "delta_compat.py",
+)
+#: The Hub code a saved DeltaLlama ships (its config extends DeltaGPT's; no DeltaNet mixer).
+DELTA_LLAMA_CODE = (
+    "configuration_delta_llama.py",
+    "modeling_delta_llama.py",
+    "configuration_delta_gpt.py",
+    "delta_layers.py",
+    "delta_model.py",
+    "delta_heads.py",
+    "delta_reads.py",
+    "delta_ops.py",
+    "delta_compat.py",
+)
 
 
 def assert_refused(capsys, code: int, out: Path, *needles: str, expected_code: int = 1) -> str:

@@ -25,7 +25,7 @@ import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 from tests.builders import BYTE_LEVEL, gpt2_config
-from tests.conversion_runs import assert_refused, partial_save_then, record_hub_uploads
+from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, partial_save_then, record_hub_uploads
 from tests.gpt2_fixtures import (
     EOS,
     byte_tokenizer,
@@ -38,17 +38,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
-CUSTOM_CODE = (
-    "configuration_delta_gpt.py",
-    "modeling_delta_gpt.py",
-    "delta_layers.py",
-    "delta_model.py",
-    "delta_heads.py",
-    "delta_reads.py",
-    "delta_net.py",
-    "delta_ops.py",
-    "delta_compat.py",
-)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +101,7 @@ def listing(directory: Path) -> set[str]:
 
 def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
     files = listing(converted_dir)
-    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *CUSTOM_CODE} <= files
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *DELTA_GPT_CODE} <= files
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
     assert not any(name.startswith(".") for name in files)
     assert not [p for p in converted_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dir left beside
@@ -128,7 +117,7 @@ def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
         "AutoModelForTokenClassification",
         "AutoModelForQuestionAnswering",
     }
-    for name in CUSTOM_CODE:  # the shipped Hub code is the code of this checkout
+    for name in DELTA_GPT_CODE:  # the shipped Hub code is the code of this checkout
         assert (converted_dir / name).read_text() == (REPO_ROOT / name).read_text()
     assert json.loads((converted_dir / "generation_config.json").read_text())["max_length"] == 77
 
@@ -292,7 +281,7 @@ def test_model_and_tokenizer_push_to_hub_upload_the_same_file_set(converted_dir,
     model.push_to_hub("someone/gpt2-delta")
     AutoTokenizer.from_pretrained(converted_dir).push_to_hub("someone/gpt2-delta")
     model_files, tokenizer_files = hub_recorder
-    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *CUSTOM_CODE} <= model_files
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *DELTA_GPT_CODE} <= model_files
     assert model_files | tokenizer_files == listing(converted_dir)
 
 

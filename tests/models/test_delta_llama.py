@@ -21,6 +21,7 @@ from tests.builders import LLAMA_FAMILIES as FAMILIES
 from tests.builders import LLAMA_TINY as TINY
 from tests.builders import VOCAB, build_source, random_ids, to_delta
 from tests.builders import open_llama_gates as open_gates
+from tests.conversion_runs import DELTA_LLAMA_CODE
 from tests.greedy import greedy_reference
 
 PAD = 0
@@ -186,17 +187,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
     model = open_gates(to_delta(build_source("qwen3"), delta_value_channels=4, delta_state_read="temporal_conv"))
     model.save_pretrained(tmp_path)
     files = {p.name for p in tmp_path.iterdir()}
-    assert {
-        "configuration_delta_llama.py",
-        "modeling_delta_llama.py",
-        "configuration_delta_gpt.py",
-        "delta_layers.py",
-        "delta_model.py",
-        "delta_heads.py",
-        "delta_reads.py",
-        "delta_ops.py",
-        "delta_compat.py",
-    } <= files
+    assert set(DELTA_LLAMA_CODE) <= files
     ids = random_ids(2, 9)
     with torch.no_grad():
         expected = model(ids).logits

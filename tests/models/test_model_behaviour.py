@@ -19,6 +19,7 @@ from transformers import (
 import ddl_hf
 from ddl_hf.delta_compat import cache_of
 from tests.builders import VOCAB, delta_config, delta_model, enable_activation_checkpointing, open_gates
+from tests.conversion_runs import DELTA_GPT_CODE, DELTA_LLAMA_CODE
 from tests.greedy import greedy_reference
 
 MODES = [("additive", 1), ("additive", 4), ("paper", 1), ("paper", 3)]
@@ -391,22 +392,7 @@ def test_parameter_overhead_at_gpt2_small_shape(value_channels: int, budget: flo
     assert delta_params / gpt2_params <= budget
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "configuration_delta_gpt.py",
-        "configuration_delta_llama.py",
-        "modeling_delta_gpt.py",
-        "modeling_delta_llama.py",
-        "delta_layers.py",
-        "delta_model.py",
-        "delta_heads.py",
-        "delta_reads.py",
-        "delta_net.py",
-        "delta_ops.py",
-        "delta_compat.py",
-    ],
-)
+@pytest.mark.parametrize("name", sorted({*DELTA_GPT_CODE, *DELTA_LLAMA_CODE}))
 def test_the_package_modules_are_the_root_hub_files(name: str) -> None:
     """`ddl_hf/` links to the self-contained Hub files at the repository root, so that what the package runs is what
     `save_pretrained` ships; an editor that replaces a link by a copy would let the two drift apart."""
