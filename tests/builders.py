@@ -6,11 +6,12 @@ site or one of the named presets below, passed positionally: `delta_config(DELTA
 Later presets and then the keyword overrides win. The model builders take the same arguments (or a ready `config=`)
 and seed torch's global generator first, so a test that draws random inputs afterwards sees the same numbers.
 
-Import it as `from builders import ...` (pytest puts `tests/` on sys.path, as for `gpt2_fixtures`).
+Import it as `from tests.builders import ...` (the repository root is on sys.path: pytest's `pythonpath`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,22 +31,6 @@ import ddl_hf
 from ddl_lab.builders import LLAMA_TINY, open_gates  # the lab's, shared with the tests
 
 VOCAB = 97
-
-#: The Hub files every saved DeltaGPT and DeltaLlama directory ships besides its family's configuration and modeling
-#: files (`save_pretrained` copies the files a modeling file imports, relatively, and theirs): the real files at the
-#: repository root, symlinked into `ddl_hf/`.
-SHARED_HUB_FILES = (
-    "delta_layers.py",
-    "delta_model.py",
-    "delta_heads.py",
-    "delta_reads.py",
-    "delta_state.py",
-    "delta_net.py",
-    "delta_net_ops.py",
-    "delta_ops.py",
-    "delta_fused.py",
-    "delta_compat.py",
-)
 
 #: The default tiny GPT-2: 2 layers, 32 wide, 4 heads, context 64; dropout off so runs are deterministic.
 TINY = dict(
@@ -270,6 +255,47 @@ def open_llama_gates(model: ddl_hf.DeltaLlamaForCausalLM, seed: int = 1) -> ddl_
 
 def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def delta_net_inputs(batch=2, heads=3, seq_len=37, d_k=8, d_v=5, beta_max=1.0, dtype=torch.float32, seed=0):
+    """The delta rule's inputs as the ops take them: unit-norm q, k `[B, H, T, d_k]`, v `[B, H, T, d_v]`, beta in
+    (0, beta_max) `[B, H, T]`, a random initial state `[B, H, d_v, d_k]`."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(batch, heads, seq_len, d_k, generator=g, dtype=dtype), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(batch, heads, seq_len, d_k, generator=g, dtype=dtype), dim=-1)
+    v = torch.randn(batch, heads, seq_len, d_v, generator=g, dtype=dtype)
+    beta = beta_max * torch.rand(batch, heads, seq_len, generator=g, dtype=dtype)
+    state = torch.randn(batch, heads, d_v, d_k, generator=g, dtype=dtype)
+    return q, k, v, beta, state
+
+
+def delta_rule_inputs(seq_len: int, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """DeltaNet's inputs: unit-norm q, k `[B, H, T, d_k]`, v `[B, H, T, d_v]` (d_v != d_k: a transposed state shows),
+    beta in (0, 2) (the negative-eigenvalue range), a random initial state `[B, H, d_v, d_k]`."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, d_k, d_v = 2, 2, 16, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(b, h, seq_len, d_k, generator=g), dim=-1) for _ in range(2))
+    return dict(
+        q=q.to(dtype),
+        k=k.to(dtype),
+        v=torch.randn(b, h, seq_len, d_v, generator=g).to(dtype),
+        beta=(2 * torch.rand(b, h, seq_len, generator=g)).to(dtype),
+        initial_state=torch.randn(b, h, d_v, d_k, generator=g).to(dtype),
+    )
+
+
+#: The documents of `packed_row`: 32 tokens, some shorter than a convolution's window and than a DeltaNet chunk.
+DOC_LENGTHS = [5, 11, 1, 3, 12]
+
+
+def packed_row(seed: int = 0, vocab: int = 61) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random documents of DOC_LENGTHS packed into one row (a padding-free batch): the documents, the row `[1, 32]`,
+    its position ids (restarting at each document) and the documents' cumulative lengths (`cu_seq_lens`)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, vocab, (n,), generator=g) for n in DOC_LENGTHS]
+    position_ids = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
+    cu_seq_lens = torch.tensor([0, *itertools.accumulate(DOC_LENGTHS)], dtype=torch.int32)
+    return docs, torch.cat(docs)[None], position_ids, cu_seq_lens
 
 
 def llama_model() -> torch.nn.Module:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import VOCAB
+
+from tests.builders import VOCAB
 
 #: The compatibility subset (`pytest -m compat`), which CI also runs on the oldest supported transformers: the cache
 #: under both names and the deprecation early warning, generation with and without the cache (DeltaGPT, the windowed

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from builders import CLIENT_VARIANTS, delta_model, enable_activation_checkpointing
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ddl_hf
 from ddl_hf.distributed import fully_shard_model, gather_full_state_dict
+from tests.builders import CLIENT_VARIANTS, delta_model, enable_activation_checkpointing
 
 VARIANTS = {
     "gpt-dv1": CLIENT_VARIANTS["additive-dv1"],
@@ -50,7 +50,7 @@ def build(variant: str) -> torch.nn.Module:
     from the unsharded one by the float rounding of its sums, and a run from weights 1e-7 apart stays within 1e-5
     of it over the 10 steps (measured), so the comparison is of that rounding, not of chaos."""
     if variant.startswith("llama"):
-        from builders import build_source  # tests/, this script's folder
+        from tests.builders import build_source
 
         source = build_source("qwen3", vocab_size=VOCAB)
         model = ddl_hf.convert_llama(source, delta_value_channels=4, delta_beta_init=0.5)

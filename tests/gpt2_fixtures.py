@@ -10,9 +10,10 @@ import functools
 from pathlib import Path
 
 import torch
-from builders import BYTE_LEVEL, gpt2_config
 from transformers import GPT2LMHeadModel, GPT2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from tests.builders import BYTE_LEVEL, gpt2_config
 
 EOS = BYTE_LEVEL["eos_token_id"]  # <|endoftext|>
 

@@ -5,7 +5,10 @@ README that is a short front door whose links, like the docs', all lead somewher
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatch
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
@@ -118,7 +121,7 @@ def test_each_block_forward_is_eq_2_5_in_a_dozen_lines_without_closures():
 def test_every_entry_of_the_compatibility_subset_names_a_test():
     """CI runs `pytest -m compat` on the oldest transformers and the torch range: an entry that no longer names a
     file or a test (a file moved or renamed) would shrink that subset without an error."""
-    from conftest import COMPAT_SUBSET
+    from tests.conftest import COMPAT_SUBSET
 
     files = {path.name: path.read_text(encoding="utf-8") for path in ROOT.glob("tests/**/test_*.py")}
     missing = []
@@ -127,3 +130,14 @@ def test_every_entry_of_the_compatibility_subset_names_a_test():
         if file not in files or (test and f"def {test}(" not in files[file]):
             missing.append(entry)
     assert not missing, missing
+
+
+def test_ruff_lints_each_hub_file_once():
+    """The ddl_hf/ copies of the Hub files are symlinks to the root files: ruff's exclude globs match every one of them
+    (or ruff lints that file twice) and no real file of ddl_hf (or that file goes unlinted)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    excluded = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["extend-exclude"]
+    files = sorted((ROOT / "ddl_hf").rglob("*.py"))
+    matched = [path for path in files if any(fnmatch(path.relative_to(ROOT).as_posix(), glob) for glob in excluded)]
+    symlinks = [path for path in files if path.is_symlink()]
+    assert symlinks and matched == symlinks

@@ -9,10 +9,10 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from builders import gpt2_config
 from transformers import GPT2LMHeadModel
 
 from ddl_hf.corpus import gpt2_tokenizer
+from tests.builders import gpt2_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,10 +18,10 @@ import math
 from collections.abc import Iterator
 
 import torch
-from builders import build_source, gpt2_model
 from transformers import PreTrainedModel
 
 import ddl_hf
+from tests.builders import build_source, gpt2_model
 
 #: name -> (baseline family, Delta fields): both modes, d_v = 1 and 4, the temporal and channel-conv reads, DeltaLlama.
 VARIANTS: dict[str, tuple[str, dict]] = {

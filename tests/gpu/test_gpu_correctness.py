@@ -11,7 +11,9 @@ import copy
 
 import pytest
 import torch
-from gpu_models import (
+from transformers import utils as hf_utils
+
+from tests.gpu.gpu_models import (
     CHECK,
     VARIANTS,
     baseline,
@@ -23,7 +25,6 @@ from gpu_models import (
     random_ids,
     rel_err,
 )
-from transformers import utils as hf_utils
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +65,7 @@ def test_bf16_autocast_is_as_close_to_float32_as_the_baselines(models):
 def test_cached_greedy_generation_equals_uncached(models):
     """The cached route against the full forward of every prefix; a divergence only where the uncached logits of
     the two best tokens tie within the float32 bound."""
-    from greedy import assert_greedy_matches
+    from tests.greedy import assert_greedy_matches
 
     delta = models["device"]["delta"]
     prompt = models["device_ids"][:, : CHECK["prompt"]]

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import delta_model
-from gpu_models import (
+
+from ddl_hf.delta_net_ops import delta_rule, delta_rule_recurrent
+from ddl_hf.delta_ops import delta_kernels
+from ddl_hf.fla_kernels import fla_available
+from tests.builders import delta_model
+from tests.gpu.gpu_models import (
     BETA,
     SMALL,
     VARIANTS,
@@ -26,10 +30,6 @@ from gpu_models import (
     rel_err,
     running,
 )
-
-from ddl_hf.delta_net_ops import delta_rule, delta_rule_recurrent
-from ddl_hf.delta_ops import delta_kernels
-from ddl_hf.fla_kernels import fla_available
 
 pytestmark = pytest.mark.gpu
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gpu_models import CHECK, VARIANTS, baseline, bf16_autocast, delta_of, random_ids
 
 from ddl_hf.delta_compat import cache_argument, cache_of
+from tests.gpu.gpu_models import CHECK, VARIANTS, baseline, bf16_autocast, delta_of, random_ids
 
 pytestmark = pytest.mark.gpu
 

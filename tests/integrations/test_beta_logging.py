@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, default_data_collator
 from transformers.trainer_callback import DefaultFlowCallback
-from workflow_utils import tiny_gpt2_dir
 
 import ddl_hf
 from ddl_hf.callbacks import SUMMARY_KEYS, DeltaStatsCallback, beta_stats
 from ddl_hf.training import DeltaTrainer, training_arguments
+from tests.workflow_utils import tiny_gpt2_dir
 
 BLOCKS = ("L0.attn", "L0.mlp", "L1.attn", "L1.mlp")
 
@@ -120,7 +120,7 @@ def test_the_callback_counts_one_beta_per_token_and_block_as_output_betas(shared
     """At d_v > 1, and with `delta_shared_read` (the attention residual also returns its read of the new state for
     the MLP residual, a third output): one beta per token and block, the same as output_betas, summed on the device
     and read once by `pop_stats`."""
-    from builders import delta_model
+    from tests.builders import delta_model
 
     model = delta_model(delta_value_channels=4, delta_beta_init=0.5, delta_shared_read=shared_read).train()
     callback = DeltaStatsCallback()

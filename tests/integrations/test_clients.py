@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, delta_model, gpt2_model, open_gates
 
 import ddl_hf
+from tests.builders import CLIENT_VARIANTS, delta_model, gpt2_model, open_gates
 
 
 def quantize(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from builders import GPT2_FAMILY, family_config, gpt2_model
-from gpt2_fixtures import (
-    byte_tokenizer,
-    text_ids,
-    trained_gpt2,
-)
 from transformers import GPT2Config
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
+from tests.builders import GPT2_FAMILY, family_config, gpt2_model
+from tests.gpt2_fixtures import (
+    byte_tokenizer,
+    text_ids,
+    trained_gpt2,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,27 +17,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import BYTE_LEVEL, SHARED_HUB_FILES, gpt2_config
-from gpt2_fixtures import (
-    EOS,
-    byte_tokenizer,
-    save_source,
-    text_ids,
-    trained_gpt2,
-)
-from huggingface_hub import HfApi, ModelCard
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
+from tests.builders import BYTE_LEVEL, gpt2_config
+from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, partial_save_then, record_hub_uploads
+from tests.gpt2_fixtures import (
+    EOS,
+    byte_tokenizer,
+    save_source,
+    text_ids,
+    trained_gpt2,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
-CUSTOM_CODE = ("configuration_delta_gpt.py", "modeling_delta_gpt.py", *SHARED_HUB_FILES)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def listing(directory: Path) -> set[str]:
 
 def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
     files = listing(converted_dir)
-    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *CUSTOM_CODE} <= files
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *DELTA_GPT_CODE} <= files
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
     assert not any(name.startswith(".") for name in files)
     assert not [p for p in converted_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dir left beside
@@ -117,7 +117,7 @@ def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
         "AutoModelForTokenClassification",
         "AutoModelForQuestionAnswering",
     }
-    for name in CUSTOM_CODE:  # the shipped Hub code is the code of this checkout
+    for name in DELTA_GPT_CODE:  # the shipped Hub code is the code of this checkout
         assert (converted_dir / name).read_text() == (REPO_ROOT / name).read_text()
     assert json.loads((converted_dir / "generation_config.json").read_text())["max_length"] == 77
 
@@ -267,27 +267,8 @@ def test_variant_flags_convert_exactly(source_dir, tmp_path, capsys):
 
 
 @pytest.fixture
-def hub_recorder(monkeypatch):
-    uploads: list[set[str]] = []
-
-    class Repo:
-        repo_id = "someone/gpt2-delta"
-
-    def create_commit(self, repo_id, operations, **kwargs):
-        uploads.append({op.path_in_repo for op in operations})
-        return "https://huggingface.co/someone/gpt2-delta/commit/0"
-
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: Repo())
-    monkeypatch.setattr(HfApi, "create_commit", create_commit)
-    import transformers.utils.hub as transformers_hub
-    from huggingface_hub import ModelCardData
-
-    monkeypatch.setattr(
-        transformers_hub,
-        "create_and_tag_model_card",
-        lambda repo_id, tags=None, token=None: ModelCard.from_template(ModelCardData(library_name="transformers")),
-    )
-    return uploads
+def hub_recorder(monkeypatch) -> list[set[str]]:
+    return record_hub_uploads(monkeypatch)
 
 
 def test_push_converted_uploads_exactly_the_output(converted_dir, hub_recorder):
@@ -300,7 +281,7 @@ def test_model_and_tokenizer_push_to_hub_upload_the_same_file_set(converted_dir,
     model.push_to_hub("someone/gpt2-delta")
     AutoTokenizer.from_pretrained(converted_dir).push_to_hub("someone/gpt2-delta")
     model_files, tokenizer_files = hub_recorder
-    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *CUSTOM_CODE} <= model_files
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *DELTA_GPT_CODE} <= model_files
     assert model_files | tokenizer_files == listing(converted_dir)
 
 
@@ -376,16 +357,6 @@ def test_output_loads_in_a_fresh_process(converted_dir, tmp_path, mode):
 # ---------------------------------------------------------------------------------------------------------------
 # Guarantee 6: bad input never leaves a mess
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def assert_refused(capsys, code: int, out: Path, *needles: str, expected_code: int = 1) -> str:
-    err = capsys.readouterr().err
-    assert code == expected_code, err
-    assert not out.exists()
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]  # no temp/backup dirs
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
 
 
 def test_bert_source_is_refused(tmp_path, capsys):
@@ -474,14 +445,6 @@ def test_empty_output_directory_is_fine(source_dir, tmp_path):
     assert "config.json" in listing(tmp_path / "out")
 
 
-def _partial_save_then(error: BaseException):
-    def save_pretrained(self, directory, **kwargs):
-        Path(directory, "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)  # half-written shard
-        raise error
-
-    return save_pretrained
-
-
 @pytest.mark.parametrize("force", [False, True])
 def test_full_disk_leaves_nothing(source_dir, tmp_path, capsys, monkeypatch, force):
     out = tmp_path / "nested" / "out"
@@ -491,7 +454,7 @@ def test_full_disk_leaves_nothing(source_dir, tmp_path, capsys, monkeypatch, for
     monkeypatch.setattr(
         ddl_hf.DeltaGPTForCausalLM,
         "save_pretrained",
-        _partial_save_then(OSError(errno.ENOSPC, "No space left on device")),
+        partial_save_then(OSError(errno.ENOSPC, "No space left on device")),
     )
     code = run_convert("--source", str(source_dir), "--output", str(out), *(["--force"] if force else []))
     err = capsys.readouterr().err
@@ -737,9 +700,10 @@ def test_a_cli_run_reads_the_source_config_and_resolves_its_family_once(source_d
 def test_the_trained_gpt2_fixture_trains_without_transformers_loss_type_warning():
     """Training the shared fixture computes GPT2LMHeadModel's loss: it must not log transformers' `loss_type=None`
     notice (which the control above shows does reach such a capture), and it ends as a Hub GPT-2 without a loss type."""
-    from gpt2_fixtures import train_gpt2
     from transformers.testing_utils import CaptureLogger
     from transformers.utils import logging as hf_logging
+
+    from tests.gpt2_fixtures import train_gpt2
 
     hf_logging.warning_once.cache_clear()
     with CaptureLogger(hf_logging.get_logger("transformers")) as training:

@@ -12,11 +12,7 @@ import contextlib
 import io
 
 import pytest
-import test_delta_llama
 import torch
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import adapted_modules, enable_activation_checkpointing
-from gpt2_fixtures import EOS, byte_tokenizer
 from peft import IA3Config, LoraConfig, TaskType, get_peft_model
 from transformers import pipeline
 
@@ -25,8 +21,12 @@ import ddl_hf_cli
 from ddl_hf import DeltaLlamaForCausalLM
 from ddl_hf.callbacks import DeltaStatsCallback, plot_beta_history
 from ddl_hf.training import DeltaTrainer, training_arguments
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import adapted_modules, enable_activation_checkpointing
+from tests.builders import build_source as build_family_source
+from tests.gpt2_fixtures import EOS, byte_tokenizer
 
-#: test_delta_llama's tiny models with the byte tokenizer's vocabulary (ids 0-256, 256 = <|endoftext|>).
+#: LLAMA_TINY models with the byte tokenizer's vocabulary (ids 0-256, 256 = <|endoftext|>).
 TOKENIZER_FIELDS = dict(vocab_size=EOS + 1, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=None)
 BLOCKS = ("L0.attn", "L0.mlp", "L1.attn", "L1.mlp")
 
@@ -38,7 +38,7 @@ def _one_thread(one_torch_thread):
 
 def build_source(family: str, seed: int = 0):
     """A tiny random model of `family`, built by transformers' own class, that the byte tokenizer can drive."""
-    return test_delta_llama.build_source(family, seed, **TOKENIZER_FIELDS)
+    return build_family_source(family, seed, **TOKENIZER_FIELDS)
 
 
 def set_betas(model: DeltaLlamaForCausalLM, seed: int = 1) -> DeltaLlamaForCausalLM:

@@ -20,17 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import SHARED_HUB_FILES, build_source
-from gpt2_fixtures import byte_tokenizer, text_ids
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
-from test_conversion_cli import _partial_save_then, assert_refused
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import build_source
+from tests.conversion_runs import DELTA_LLAMA_CODE, assert_refused, partial_save_then
+from tests.gpt2_fixtures import byte_tokenizer, text_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,12 +39,6 @@ EOS = 256  # the byte tokenizer's <|endoftext|>
 #: builders' LLAMA_TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
 SIZE = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-CUSTOM_CODE = (
-    "configuration_delta_llama.py",
-    "modeling_delta_llama.py",
-    "configuration_delta_gpt.py",
-    *SHARED_HUB_FILES,
-)
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 HUB_ID = "someone/tiny-mistral"
 
@@ -113,7 +107,7 @@ def greedy(model: PreTrainedModel, tokens: int = 24) -> torch.Tensor:
 def test_output_is_a_complete_hub_repository(family, converted, source_dirs):
     out, _ = converted[family]
     files = listing(out)
-    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *CUSTOM_CODE} <= files
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", *DELTA_LLAMA_CODE} <= files
     assert "modeling_delta_gpt.py" not in files  # DeltaLlama's code imports nothing of DeltaGPT's model
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
     assert not any(name.startswith(".") for name in files)
@@ -129,7 +123,7 @@ def test_output_is_a_complete_hub_repository(family, converted, source_dirs):
         "AutoModelForTokenClassification": "modeling_delta_llama.DeltaLlamaForTokenClassification",
         "AutoModelForQuestionAnswering": "modeling_delta_llama.DeltaLlamaForQuestionAnswering",
     }
-    for name in CUSTOM_CODE:  # the shipped Hub code is the code of this checkout
+    for name in DELTA_LLAMA_CODE:  # the shipped Hub code is the code of this checkout
         assert (out / name).read_text() == (REPO_ROOT / name).read_text(), name
     assert json.loads((out / "generation_config.json").read_text())["max_length"] == 77
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -346,7 +340,7 @@ def test_full_disk_mid_write_leaves_nothing(source_dirs, tmp_path, capsys, monke
     monkeypatch.setattr(
         ddl_hf.DeltaLlamaForCausalLM,
         "save_pretrained",
-        _partial_save_then(OSError(errno.ENOSPC, "No space left on device")),
+        partial_save_then(OSError(errno.ENOSPC, "No space left on device")),
     )
     out = tmp_path / "nested" / "out"
     code = run_convert("--source", str(source_dirs["llama"]), "--output", str(out))

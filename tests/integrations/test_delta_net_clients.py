@@ -10,13 +10,13 @@ import itertools
 
 import pytest
 import torch
-from torch.nn.functional import normalize
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, delta_net_ops
 from ddl_hf.delta_compat import DELTA_NET_DYNAMIC_EXPORT, DELTA_NET_DYNAMIC_EXPORT_TORCH, cache_of
 from ddl_hf.delta_net import DeltaNetCache
 from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
+from tests.builders import delta_net_inputs, packed_row
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,16 +46,6 @@ def tiny_model(seed: int = 0, **overrides) -> DeltaGPTForCausalLM:
     return model
 
 
-def make_inputs(batch=2, heads=3, seq_len=37, d_k=8, d_v=5, beta_max=2.0, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = normalize(torch.randn(batch, heads, seq_len, d_k, generator=g, dtype=dtype), dim=-1)
-    k = normalize(torch.randn(batch, heads, seq_len, d_k, generator=g, dtype=dtype), dim=-1)
-    v = torch.randn(batch, heads, seq_len, d_v, generator=g, dtype=dtype)
-    beta = beta_max * torch.rand(batch, heads, seq_len, generator=g, dtype=dtype)
-    state = torch.randn(batch, heads, d_v, d_k, generator=g, dtype=dtype)
-    return q, k, v, beta, state
-
-
 def starts_mask(batch: int, seq_len: int, starts: list[list[int]]) -> torch.Tensor:
     mask = torch.zeros(batch, seq_len, dtype=torch.bool)
     for row, row_starts in enumerate(starts):
@@ -71,7 +61,9 @@ def starts_mask(batch: int, seq_len: int, starts: list[list[int]]) -> torch.Tens
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 37, 64])
 def test_unit_lower_triangular_inverse_is_the_inverse(size):
     """Against LAPACK's inverse, on the matrices the rule builds: strict_lower(diag(beta) K K^T), beta in (0, 2)."""
-    _, k, _, beta, _ = make_inputs(batch=1, heads=3, seq_len=size, d_k=4, dtype=torch.float64, seed=size)
+    _, k, _, beta, _ = delta_net_inputs(
+        batch=1, heads=3, seq_len=size, d_k=4, beta_max=2.0, dtype=torch.float64, seed=size
+    )
     a = ((beta.unsqueeze(-1) * k) @ k.transpose(-1, -2)).tril(-1)
     expected = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + a)
     torch.testing.assert_close(unit_lower_triangular_inverse(a), expected, rtol=1e-10, atol=1e-10)
@@ -100,7 +92,7 @@ def run_documents_alone(q, k, v, beta, s0, starts, erase):
 @pytest.mark.parametrize("erase", [True, False], ids=["delta", "write_only"])
 @pytest.mark.parametrize("chunk_size", [1, 4, 8, 64], ids=lambda c: f"chunk{c}")
 def test_document_starts_equal_each_document_alone(chunk_size, erase):
-    q, k, v, beta, s0 = make_inputs()
+    q, k, v, beta, s0 = delta_net_inputs(beta_max=2.0)
     starts = starts_mask(2, 37, STARTS)
     o_ref, s_ref = run_documents_alone(q, k, v, beta, s0, STARTS, erase)
     for o, s in (
@@ -115,7 +107,7 @@ def test_document_starts_equal_each_document_alone(chunk_size, erase):
 
 
 def test_document_start_gradients_equal_recurrent_gradients():
-    inputs = [x.requires_grad_(True) for x in make_inputs(seq_len=37)]
+    inputs = [x.requires_grad_(True) for x in delta_net_inputs(seq_len=37, beta_max=2.0)]
     starts = starts_mask(2, 37, [[3, 8, 20], [11]])
     g = torch.Generator().manual_seed(1)
     o_weight, s_weight = torch.randn(2, 3, 37, 5, generator=g), torch.randn(2, 3, 5, 8, generator=g)
@@ -133,16 +125,6 @@ def test_document_start_gradients_equal_recurrent_gradients():
 # ---------------------------------------------------------------------------------------------------------------
 # Packed rows (padding-free batches): a packed row equals each of its documents alone
 # ---------------------------------------------------------------------------------------------------------------
-
-DOC_LENGTHS = [5, 11, 1, 3, 12]  # 32 tokens; documents shorter than the conv window and than a chunk
-
-
-def packed_row(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in DOC_LENGTHS]
-    position_ids = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
-    cu_seq_lens = torch.tensor([0, *itertools.accumulate(DOC_LENGTHS)], dtype=torch.int32)
-    return docs, torch.cat(docs)[None], position_ids, cu_seq_lens
 
 
 @pytest.mark.parametrize(

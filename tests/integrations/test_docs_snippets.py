@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from huggingface_hub import HfApi, ModelCard, ModelCardData
-from workflow_utils import ROOT, tiny_gpt2_dir
+
+from tests.conversion_runs import record_hub_uploads
+from tests.workflow_utils import ROOT, tiny_gpt2_dir
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!--\s*(?P<marker>[^>]*?)\s*-->[ \t]*\n)?^```python[ \t]*\n(?P<code>.*?)^```", re.S | re.M)
@@ -59,30 +60,6 @@ def test_every_marker_is_known_and_skips_are_few():
 @pytest.fixture(scope="module")
 def local_gpt2(tmp_path_factory) -> Path:
     return tiny_gpt2_dir(tmp_path_factory.mktemp("docs") / "gpt2", dropout=0.0)
-
-
-def record_hub_uploads(monkeypatch) -> list[set[str]]:
-    """Replace the Hub API calls that uploads make by a recorder of the uploaded file names (no network)."""
-    uploads: list[set[str]] = []
-
-    class Repo:
-        def __init__(self, repo_id: str) -> None:
-            self.repo_id = repo_id
-
-    def create_commit(self, repo_id, operations, **kwargs):
-        uploads.append({op.path_in_repo for op in operations})
-        return f"https://huggingface.co/{repo_id}/commit/0"
-
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: Repo(repo_id))
-    monkeypatch.setattr(HfApi, "create_commit", create_commit)
-    import transformers.utils.hub as transformers_hub
-
-    monkeypatch.setattr(
-        transformers_hub,
-        "create_and_tag_model_card",
-        lambda repo_id, tags=None, token=None: ModelCard.from_template(ModelCardData(library_name="transformers")),
-    )
-    return uploads
 
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])

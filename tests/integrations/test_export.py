@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
-from gpt2_fixtures import (
-    text_ids,
-    trained_gpt2,
-)
 from transformers import GPT2LMHeadModel
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT
+from tests.gpt2_fixtures import (
+    text_ids,
+    trained_gpt2,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,11 +7,11 @@ from datasets import Dataset
 from transformers import GPT2LMHeadModel
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
-from workflow_utils import tiny_gpt2_dir
 
 from ddl_hf import training
 from ddl_hf.corpus import gpt2_tokenizer, tokenize_and_chunk
 from ddl_hf.training import BaseSpec, base_gpt2, default_cache_dir
+from tests.workflow_utils import tiny_gpt2_dir
 
 
 def test_chunking_a_long_paragraph_does_not_warn_but_real_calls_still_do():

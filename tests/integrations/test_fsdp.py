@@ -15,13 +15,13 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
-from builders import CLIENT_VARIANTS, delta_model
-from fsdp_worker import VARIANTS, batches, build, make_optimizer, step_loss
 from transformers import AutoModelForCausalLM
-from workflow_utils import free_port
 
 import ddl_hf
 from ddl_hf.distributed import block_classes, check_launch, fully_shard_model
+from tests.builders import CLIENT_VARIANTS, delta_model
+from tests.fsdp_worker import VARIANTS, batches, build, make_optimizer, step_loss
+from tests.workflow_utils import free_port
 
 STEPS = 10
 WORKER = Path(__file__).parents[1] / "fsdp_worker.py"
@@ -211,7 +211,7 @@ def test_conversion_on_a_non_main_rank_leaves_no_meta_parameters(second_rank_of_
     broadcast; two meta parameters share data pointer 0, which accelerate's optimizer mapping confuses (the Delta
     parameters of every rank but the first trained wrongly). Conversion gives them storage and their init."""
     if family == "llama":
-        from builders import build_source
+        from tests.builders import build_source
 
         model = ddl_hf.convert_llama(build_source("qwen3", vocab_size=61), delta_value_channels=4)
     else:

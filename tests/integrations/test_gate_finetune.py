@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt2_fixtures import (
-    text_ids,
-    trained_gpt2,
-)
 from transformers import Trainer, TrainingArguments
 
 import ddl_hf
 from ddl_hf.conversion import SAMPLE_TEXT
+from tests.gpt2_fixtures import (
+    text_ids,
+    trained_gpt2,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.utils import compute_module_sizes
-from builders import CLIENT_VARIANTS, delta_model, scramble_delta_weights
 from transformers import AutoModelForCausalLM
+
+from tests.builders import CLIENT_VARIANTS, delta_model, scramble_delta_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

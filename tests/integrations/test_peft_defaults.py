@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import adapted_modules
 from peft import IA3Config, LoraConfig, TaskType
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ddl_hf
+from tests.builders import adapted_modules
 
 SHAPE = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32)
 

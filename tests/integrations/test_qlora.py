@@ -23,16 +23,16 @@ from pathlib import Path
 import bitsandbytes as bnb
 import pytest
 import torch
-from builders import build_source, delta_model, gpt2_model, random_ids, to_delta
-from builders import open_llama_gates as open_gates
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-from workflow_utils import load_example, tiny_gpt2_dir
 
 import ddl_hf
 from ddl_hf.conversion.verifying import equivalence_tolerance
 from ddl_hf.peft_targets import LLAMA_PROJECTION_SUBLAYERS
+from tests.builders import build_source, delta_model, gpt2_model, random_ids, to_delta
+from tests.builders import open_llama_gates as open_gates
+from tests.workflow_utils import load_example, tiny_gpt2_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 import trl
-from builders import CLIENT_VARIANTS, DELTA_NET, delta_model, scramble_delta_weights, word_tokenizer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
+
+from tests.builders import CLIENT_VARIANTS, DELTA_NET, delta_model, scramble_delta_weights, word_tokenizer
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),

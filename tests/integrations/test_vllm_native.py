@@ -22,8 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gpt2_fixtures import EOS
-from test_vllm import (
+
+import ddl_hf
+from tests.gpt2_fixtures import EOS
+from tests.vllm_serving import (
     EXACT,
     LLAMA_SIZE,
     PROMPTS,
@@ -40,8 +42,6 @@ from test_vllm import (
     stop,
     wait_until_ready,
 )
-
-import ddl_hf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import AutoModelForSequenceClassification
-from workflow_utils import load_example, tiny_gpt2_dir
+
+from tests.workflow_utils import load_example, tiny_gpt2_dir
 
 
 def test_author_classification_learns_and_pools_last_real_token(tmp_path):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
-from workflow_utils import tiny_gpt2_dir
 
 import ddl_hf
+from tests.workflow_utils import tiny_gpt2_dir
 
 #: What the dev extra adds to the package's own requirements: the main job must run without any of them (the README's
 #: first line installs none). Marked absent in the demo's process (`sys.modules[name] = None`: an import fails, and
@@ -23,8 +23,8 @@ DEMO_RUNS = """
 import json, sys
 for name in {dev_only!r}:
     sys.modules[name] = None
-sys.path[:0] = [{tests!r}, {root!r}]
-from workflow_utils import load_example
+sys.path.insert(0, {root!r})
+from tests.workflow_utils import load_example
 demo = load_example("demo")
 cache, out, again = sys.argv[1:4]
 summary = demo.main(["--smoke", "--cache-dir", cache, "--output-dir", out])
@@ -45,7 +45,7 @@ def test_demo_smoke_pipeline_without_the_dev_extra(tmp_path):
     """The main job end to end at smoke sizes, in a process where the dev extra's packages are absent; both runs in
     that one process (the second compares bit for bit with the first)."""
     root = Path(__file__).resolve().parents[2]
-    script = DEMO_RUNS.format(dev_only=DEV_ONLY, tests=str(root / "tests"), root=str(root))
+    script = DEMO_RUNS.format(dev_only=DEV_ONLY, root=str(root))
     cache, out, again = tmp_path / "cache", tmp_path / "out", tmp_path / "again"
     done = subprocess.run(
         [sys.executable, "-c", script, str(cache), str(out), str(again)],

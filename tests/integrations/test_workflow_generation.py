@@ -8,7 +8,8 @@ import io
 import pytest
 import torch
 from transformers import pipeline, set_seed
-from workflow_utils import load_example, tiny_gpt2_dir
+
+from tests.workflow_utils import load_example, tiny_gpt2_dir
 
 
 @pytest.fixture(scope="module")

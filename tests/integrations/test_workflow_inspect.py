@@ -7,11 +7,11 @@ import io
 
 import pytest
 import torch
-from workflow_utils import load_example, tiny_gpt2_dir
 
 import ddl_hf
 import ddl_hf_cli
 from ddl_hf.inspection import beta_map
+from tests.workflow_utils import load_example, tiny_gpt2_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from workflow_utils import ROOT, free_port, tiny_gpt2_dir
+
+from tests.workflow_utils import ROOT, free_port, tiny_gpt2_dir
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM
-from workflow_utils import load_example, tiny_gpt2_dir
+
+from tests.workflow_utils import load_example, tiny_gpt2_dir
 
 
 def test_lora_with_delta_params_save_reload_merge(tmp_path):
@@ -59,12 +60,12 @@ def test_lora_with_delta_params_save_reload_merge(tmp_path):
 
 
 def test_delta_stats_callback_sees_the_trained_copies_under_peft():
-    from builders import gpt2_config
     from peft import get_peft_model
     from transformers import GPT2LMHeadModel
 
     import ddl_hf
     from ddl_hf.callbacks import delta_blocks
+    from tests.builders import gpt2_config
 
     example = load_example("peft_lora")
     gpt2 = GPT2LMHeadModel(gpt2_config(vocab_size=64, n_positions=16, n_embd=8, n_head=2))

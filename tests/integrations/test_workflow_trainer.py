@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from workflow_utils import load_example, state_dict_equal, tiny_gpt2_dir
+
+from tests.workflow_utils import load_example, state_dict_equal, tiny_gpt2_dir
 
 ARGS = ["--steps", "6", "--save-steps", "3", "--batch-size", "2", "--block-size", "32", "--eval-blocks", "2"]
 

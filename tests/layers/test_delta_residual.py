@@ -12,51 +12,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import VOCAB, delta_config, delta_model, open_gates
-from test_fused_delta import readable_residuals
 
 from ddl_hf.delta_fused import fused_delta_update
 from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_ops import delta_gate, delta_update, unit_direction
 from ddl_hf.delta_reads import DeltaRead
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
-
-CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
-# The first state of an expanded model (d_v > 1) is an expand view of the embedding (stride 0): its own cases.
-VIEW_CASES = [(d_v, mode, False) for d_v, mode in CASES] + [(4, mode, True) for mode in ("additive", "paper")]
-
-
-def residual(d_v: int, mode: str, dtype=torch.float32, **fields) -> DeltaResidual:
-    torch.manual_seed(0)
-    module = DeltaResidual(delta_config(delta_mode=mode, delta_value_channels=d_v, **fields)).to(dtype)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0, 0.3)
-        module.beta_open.fill_(0.8)
-    return module
-
-
-# The value branches and the write-only ablation; "sigmoid" reads the un-normalised read (`read_of`).
-VALUE_FIELDS = [{}, {"delta_erase": False}, {"delta_value": "constant"}, {"delta_value": "sigmoid"}]
-
-
-def read_of(normed: torch.Tensor) -> torch.Tensor:
-    """A stand-in for the un-normalised read of the state: another tensor than the normalised one."""
-    return 3 * normed.flip(-1) + 1
-
-
-def inputs(d_v: int, dtype=torch.float32, shape=(2, 5), dim=32, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    state = torch.randn(*shape, dim, *((d_v,) if d_v > 1 else ()), generator=g).to(dtype)
-    normed = torch.randn(*shape, dim, generator=g).to(dtype)
-    h = torch.randn(*shape, dim, generator=g).to(dtype)
-    return state, normed, h
-
-
-def step(module: DeltaResidual, state, normed, h, read=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual's forward with its sublayer's input c = `normed` and output `h` given; `read` stands for the read
-    x of the state (None: `read_of(normed)`, which only the sigmoid value uses)."""
-    return module(state, read_of(normed) if read is None else read, normed, h)
+from tests.builders import VOCAB, delta_config, delta_model, open_gates
+from tests.greedy import assert_generations_match
+from tests.residual_references import (
+    CASES,
+    VALUE_FIELDS,
+    VIEW_CASES,
+    assert_one_token_matches_the_float64_reference,
+    inputs,
+    read_of,
+    readable_residuals,
+    reference,
+    residual,
+    step,
+)
 
 
 def gate_and_value(module: DeltaResidual, normed, read) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,40 +45,6 @@ def gate_and_value(module: DeltaResidual, normed, read) -> tuple[torch.Tensor, t
     else:
         value = torch.sigmoid(module.v_proj(read)) * module.value_scale
     return beta, value
-
-
-def reference(module: DeltaResidual, state, normed, h, read=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The module's update in float64 from its parameters, with `delta_update` (the readable reference)."""
-    p = {name: t.detach().double() for name, t in module.named_parameters()}
-    state, normed, h = state.double(), normed.double(), h.double()
-    logit = normed @ p["beta_proj.weight"].T + p["beta_proj.bias"]
-    beta = (2 * torch.sigmoid(logit) * p["beta_open"].clamp(0, 1)).squeeze(-1)
-    if module.v_proj is None:  # the constant value, as the tensors of the module's dtype hold it
-        constant = torch.tensor(module.value_constant, dtype=module.beta_open.dtype).double()
-        value = constant.expand(*beta.shape, module.value_channels)
-    elif module.value_scale is None:
-        value = normed @ p["v_proj.weight"].T + p["v_proj.bias"]
-    else:  # the authors' value: scale * sigmoid(W_v r + b) of the un-normalised read
-        value = module.value_scale * torch.sigmoid(read.double() @ p["v_proj.weight"].T + p["v_proj.bias"])
-    additive = module.additive
-    out = delta_update(state, unit_direction(h, module.eps), beta, value, h if additive else None, module.erase)
-    return out, beta
-
-
-def assert_one_token_matches_the_float64_reference(module, d_v, expanded_view, dtype) -> None:
-    """T = 1, batch 1, inference mode (what generation runs) against `reference`."""
-    state, normed, h = inputs(d_v, dtype, shape=(1, 1), seed=7)
-    read = read_of(normed)
-    if expanded_view:  # the first state of an expanded model: the embedding repeated over d_v, stride 0
-        state = state[..., :1].expand(state.shape)
-    with torch.inference_mode():
-        out, beta = step(module, state, normed, h, read)
-    expected, expected_beta = reference(module, state, normed, h, read)
-    assert out.shape == state.shape and out.dtype == dtype and beta.shape == (1, 1) and beta.dtype == dtype
-    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
-    torch.testing.assert_close(beta.double(), expected_beta, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
-    assert not torch.equal(out, state + (h.unsqueeze(-1) if d_v > 1 else h))  # the gate is open: a real update
 
 
 def test_delta_gate_is_two_sigmoid_rho_bit_for_bit_with_the_same_gradients():
@@ -213,8 +154,7 @@ def test_greedy_decoding_matches_the_readable_reference(d_v, mode):
         fast = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
         with readable_residuals():
             plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
-    assert torch.equal(fast.sequences, plain.sequences)
-    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+    assert_generations_match(plain, fast, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)

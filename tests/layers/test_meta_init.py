@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, delta_config
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import LLAMA_TINY as TINY_LLAMA
 from transformers.utils import logging as hf_logging
 
 import ddl_hf
+from tests.builders import CLIENT_VARIANTS, delta_config
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import LLAMA_TINY as TINY_LLAMA
 
 
 def llama_config(family: str, **overrides) -> ddl_hf.DeltaLlamaConfig:

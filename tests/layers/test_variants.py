@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import VOCAB, variant_model
 
 import ddl_hf
 from ddl_hf.delta_compat import cache_argument, cache_of
@@ -13,6 +12,8 @@ from ddl_hf.delta_fused import channel_conv_read, channel_conv_read_weight, temp
 from ddl_hf.delta_ops import channel_conv, same_document_taps, temporal_conv
 from ddl_hf.delta_reads import DeltaConvContext, DeltaStateCache
 from ddl_hf.delta_state import state_plan
+from tests.builders import VOCAB, variant_model
+from tests.greedy import greedy_reference
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -192,8 +193,8 @@ def test_cached_generation_equals_uncached_and_stepwise_forward(overrides: dict)
 
     prompt = ids[:1, :5]
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    cached = model.generate(prompt, use_cache=True, **kwargs)
-    assert torch.equal(cached, model.generate(prompt, use_cache=False, **kwargs))
+    cached = greedy_reference(model, prompt, use_cache=True, **kwargs)
+    cached.assert_matches(model.generate(prompt, use_cache=False, **kwargs)[:, 5:])
 
 
 @pytest.mark.parametrize("overrides", TEMPORAL[:2], ids=["tc-dv1", "tc-ec-dv4"])
@@ -205,10 +206,10 @@ def test_left_padded_batch_equals_each_prompt_alone(overrides: dict) -> None:
     batch = torch.stack([torch.cat([torch.full((width - len(p),), pad), p]) for p in prompts])
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=pad)
-    batched = model.generate(batch, attention_mask=mask, **kwargs)[:, width:]
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
-        assert torch.equal(batched[row], alone[0, len(prompt) :]), f"prompt {row} differs when batched"
+    batched = greedy_reference(model, batch, attention_mask=mask, **kwargs)
+    ones = [torch.ones(1, len(prompt), dtype=torch.long) for prompt in prompts]
+    alone = [model.generate(p[None], attention_mask=m, **kwargs)[0, len(p) :] for p, m in zip(prompts, ones)]
+    batched.assert_matches(torch.stack(alone))
 
 
 def test_beam_search_reorders_the_windows() -> None:
@@ -242,7 +243,7 @@ def test_assisted_decoding_crops_the_windows() -> None:
         assisted = model.generate(prompt, assistant_model=assistant, **kwargs)
     finally:
         DeltaStateCache.crop = original
-    assert torch.equal(assisted, model.generate(prompt, **kwargs))
+    greedy_reference(model, prompt, **kwargs).assert_matches(assisted[:, prompt.shape[1] :])
     assert any(n < 0 for n in crops), crops  # tokens were really rejected and cropped
 
 

@@ -15,7 +15,14 @@ import warnings
 
 import pytest
 import torch
-from builders import (
+from transformers import DynamicCache
+
+import ddl_hf
+from ddl_hf import delta_compat
+from ddl_hf.delta_compat import CACHE_ARG, cache_of, release
+from ddl_hf.delta_net import DeltaNetCache
+from ddl_hf.delta_reads import DeltaStateCache
+from tests.builders import (
     CLIENT_VARIANTS,
     VOCAB,
     build_source,
@@ -25,14 +32,7 @@ from builders import (
     scramble_delta_weights,
     to_delta,
 )
-from builders import open_llama_gates as open_gates
-from transformers import DynamicCache
-
-import ddl_hf
-from ddl_hf import delta_compat
-from ddl_hf.delta_compat import CACHE_ARG, cache_of, release
-from ddl_hf.delta_net import DeltaNetCache
-from ddl_hf.delta_reads import DeltaStateCache
+from tests.builders import open_llama_gates as open_gates
 
 VARIANTS = ["additive-dv1", "paper-dv4", "delta_net-dv1", "tc-ec-paper-dv4", "cc-dv4"]
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import build_source, delta_model, gpt2_model, to_delta
 from transformers import Trainer, TrainingArguments
+
+from tests.builders import build_source, delta_model, gpt2_model, to_delta
 
 VARIANTS = {
     "gpt2": lambda: gpt2_model(),

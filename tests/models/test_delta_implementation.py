@@ -17,14 +17,14 @@ import json
 
 import pytest
 import torch
-from builders import VOCAB, build_source, delta_model, to_delta, variant_model
-from rounding import ROUNDING_FACTOR, float64_logits_and_bound
 
 import ddl_hf.kernels as backends
 import ddl_hf.native as native
 from ddl_hf import DeltaGPTConfig, DeltaLlamaConfig, delta_ops
 from ddl_hf.delta_ops import DELTA_IMPLEMENTATIONS, DeltaKernels
 from ddl_hf.kernels import DeltaImplementationUnavailable
+from tests.builders import VOCAB, build_source, delta_model, to_delta, variant_model
+from tests.rounding import ROUNDING_FACTOR, float64_logits_and_bound
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,10 +8,6 @@ import sys
 
 import pytest
 import torch
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import LLAMA_TINY as TINY
-from builders import SHARED_HUB_FILES, VOCAB, build_source, random_ids, to_delta
-from builders import open_llama_gates as open_gates
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -21,6 +17,12 @@ from transformers import (
 import ddl_hf
 from ddl_hf import ConversionError, DeltaLlamaConfig, DeltaLlamaForCausalLM
 from ddl_hf.delta_compat import cache_of
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import LLAMA_TINY as TINY
+from tests.builders import VOCAB, build_source, random_ids, to_delta
+from tests.builders import open_llama_gates as open_gates
+from tests.conversion_runs import DELTA_LLAMA_CODE
+from tests.greedy import greedy_reference
 
 PAD = 0
 
@@ -96,9 +98,9 @@ def test_cached_generation_equals_uncached(family, overrides):
     model = open_gates(to_delta(build_source(family), delta_init="reference", **overrides))
     prompt = random_ids(batch=2, length=6)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=PAD)
-    cached = model.generate(prompt, use_cache=True, **kwargs)
-    uncached = model.generate(prompt, use_cache=False, **kwargs)
-    assert torch.equal(cached, uncached)
+    reference = greedy_reference(model, prompt, use_cache=True, **kwargs)
+    reference.assert_matches(model.generate(prompt, use_cache=False, **kwargs)[:, 6:])
+    cached = torch.cat([prompt, reference.tokens], dim=1)
     with torch.no_grad():  # the last step's logits, too: cached prefill + one step == one full forward
         full = model(cached[:, :-1]).logits[:, -1]
         step = model(cached[:, :-2], use_cache=True)
@@ -121,10 +123,8 @@ def test_left_padded_batch_equals_each_prompt_alone(family, overrides):
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
     kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=PAD)
-    batch = model.generate(ids, attention_mask=mask, **kwargs)
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(prompt[None], **kwargs)
-        assert torch.equal(batch[row, width:], alone[0, len(prompt) :])
+    batch = greedy_reference(model, ids, attention_mask=mask, **kwargs)
+    batch.assert_matches(torch.stack([model.generate(p[None], **kwargs)[0, len(p) :] for p in prompts]))
     # A plain forward with the mask and no position_ids (generate passes position_ids, which restart the temporal
     # windows at the first real token): the mask alone keeps padding out; RoPE makes the offset irrelevant.
     with torch.no_grad():
@@ -187,12 +187,7 @@ def test_save_and_load_in_a_fresh_process_without_ddl_hf(tmp_path):
     model = open_gates(to_delta(build_source("qwen3"), delta_value_channels=4, delta_state_read="temporal_conv"))
     model.save_pretrained(tmp_path)
     files = {p.name for p in tmp_path.iterdir()}
-    assert {
-        "configuration_delta_llama.py",
-        "modeling_delta_llama.py",
-        "configuration_delta_gpt.py",
-        *SHARED_HUB_FILES,
-    } <= files
+    assert set(DELTA_LLAMA_CODE) <= files
     ids = random_ids(2, 9)
     with torch.no_grad():
         expected = model(ids).logits

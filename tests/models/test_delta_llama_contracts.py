@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import build_source, delta_model, random_ids, to_delta
 
 from ddl_hf.delta_compat import CACHE_ARG
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import build_source, delta_model, random_ids, to_delta
 
 
 def returned_cache(model, use_cache) -> bool:

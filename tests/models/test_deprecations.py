@@ -12,7 +12,12 @@ import logging
 
 import pytest
 import torch
-from builders import (
+from transformers import AutoModelForCausalLM, StaticCache, Trainer, TrainingArguments, pipeline
+from transformers.utils import logging as hf_logging
+
+import ddl_hf
+from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import (
     BYTE_LEVEL,
     CLIENT_VARIANTS,
     VOCAB,
@@ -23,14 +28,10 @@ from builders import (
     random_ids,
     scramble_delta_weights,
 )
-from builders import LLAMA_FAMILIES as FAMILIES
-from builders import open_llama_gates as open_gates
-from gpt2_fixtures import byte_tokenizer
-from transformers import AutoModelForCausalLM, StaticCache, Trainer, TrainingArguments, pipeline
-from transformers.utils import logging as hf_logging
-
-import ddl_hf
-from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import LLAMA_FAMILIES as FAMILIES
+from tests.builders import open_llama_gates as open_gates
+from tests.gpt2_fixtures import byte_tokenizer
+from tests.greedy import greedy_reference
 
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")
 
@@ -86,16 +87,18 @@ def test_forward_and_every_generation_mode(variant):
     with torch.no_grad():
         model(ids, use_cache=False, output_hidden_states=True, output_betas=True)
         model(ids[:, -1:], cache=cache_of(model(ids[:, :-1], use_cache=True)))
-    uncached = model.generate(ids, use_cache=False, **GREEDY)
-    assert torch.equal(model.generate(ids, **GREEDY), uncached)
+    uncached = greedy_reference(model, ids, use_cache=False, **GREEDY)
+    uncached.assert_matches(model.generate(ids, **GREEDY)[:, ids.shape[1] :])
     model.generate(ids, num_beams=2, **GREEDY)
     torch.manual_seed(0)
     model.generate(ids, max_new_tokens=3, do_sample=True, top_k=5, pad_token_id=0)
     if variant in ("additive-dv1", "paper-dv4"):
-        assert torch.equal(model.generate(ids, cache_implementation="static", **GREEDY), uncached)
+        uncached.assert_matches(model.generate(ids, cache_implementation="static", **GREEDY)[:, ids.shape[1] :])
         # Prompt lookup: assisted decoding's cache cropping (an assistant model would log transformers' own notice
         # about its generation_config, GPT2LMHeadModel's as well).
-        assert torch.equal(model.generate(ids[:1], prompt_lookup_num_tokens=2, **GREEDY), uncached[:1])
+        greedy_reference(model, ids[:1], **GREEDY).assert_matches(
+            model.generate(ids[:1], prompt_lookup_num_tokens=2, **GREEDY)[:, ids.shape[1] :]
+        )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -103,7 +106,9 @@ def test_delta_llama_forward_generate_and_conversion(family):
     source = build_source(family)
     model = open_gates(ddl_hf.convert_llama(source, delta_value_channels=4).eval())
     ids = random_ids(2, 7)
-    assert torch.equal(model.generate(ids, **GREEDY), model.generate(ids, use_cache=False, **GREEDY))
+    greedy_reference(model, ids, **GREEDY).assert_matches(
+        model.generate(ids, use_cache=False, **GREEDY)[:, ids.shape[1] :]
+    )
     closed = ddl_hf.convert_llama(source).eval()
     assert torch.equal(closed.generate(ids, **GREEDY), source.generate(ids, **GREEDY))
     torch.testing.assert_close(ddl_hf.export_to_llama(closed)(ids).logits, source(ids).logits, rtol=0, atol=0)
@@ -151,4 +156,4 @@ def test_a_static_cache_object_passed_in():
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     cache = StaticCache(config=model.config, max_cache_len=16)
     cached = model.generate(ids, **{CACHE_ARG: cache}, **GREEDY)  # generate's name for it on this release
-    assert torch.equal(cached, model.generate(ids, use_cache=False, **GREEDY))
+    greedy_reference(model, ids, use_cache=False, **GREEDY).assert_matches(cached[:, ids.shape[1] :])

@@ -22,7 +22,6 @@ from unittest import mock
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, delta_llama, delta_model, gpt2_model, llama_model
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -30,6 +29,7 @@ import ddl_hf.fla_kernels as fla_kernels
 import ddl_hf.kernels as backends
 from ddl_hf import delta_ops
 from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import CLIENT_VARIANTS, delta_llama, delta_model, gpt2_model, llama_model
 
 
 def fake_cuda_problem() -> str | None:

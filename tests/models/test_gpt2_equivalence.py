@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import delta_config, gpt2_model
 
 import ddl_hf
+from tests.builders import delta_config, gpt2_model
 
 
 def delta_from_gpt2(gpt2: torch.nn.Module, **overrides) -> ddl_hf.DeltaGPTForCausalLM:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import gpt2_config, open_gates
 from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
@@ -24,6 +23,7 @@ from transformers import (
 )
 
 import ddl_hf
+from tests.builders import gpt2_config, open_gates
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

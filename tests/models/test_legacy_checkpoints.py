@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from rounding import assert_close_to_saved, float64_logits_and_bound
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import ddl_hf
 import ddl_hf_cli
 from ddl_hf.conversion import upgrade
+from tests.rounding import assert_close_to_saved, float64_logits_and_bound
 
 FIXTURES = Path(__file__).parents[1] / "data" / "ddl_hf_0_1"
 sys.path.insert(0, str(FIXTURES))

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, VOCAB, delta_llama, delta_model, gpt2_model, llama_model
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -30,6 +29,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_map_only
 
 from ddl_hf.delta_compat import CACHE_ARG, cache_of
+from tests.builders import CLIENT_VARIANTS, VOCAB, delta_llama, delta_model, gpt2_model, llama_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

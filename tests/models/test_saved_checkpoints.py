@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import delta_config
-from rounding import float64_logits_and_bound, machine
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import get_model_conversion_mapping
 
 import ddl_hf
+from tests.builders import delta_config
+from tests.rounding import float64_logits_and_bound, machine
 
 DATA = Path(__file__).parents[1] / "data"
 FOLDERS = ("ddl_hf_0_2", "main_e568c07")

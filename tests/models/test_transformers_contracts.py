@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-from builders import CLIENT_VARIANTS, build_source, delta_model, gpt2_model, to_delta
 
 from ddl_hf.delta_compat import CACHE_ARG, LEGACY_CACHE_ARG
+from tests.builders import CLIENT_VARIANTS, build_source, delta_model, gpt2_model, to_delta
 
 
 def caught(model, **kwargs) -> list[str]:

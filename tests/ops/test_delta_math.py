@@ -5,12 +5,12 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from builders import delta_config, open_gates
 from hypothesis import given, settings
 
 import ddl_hf
 from ddl_hf.delta_fused import fused_delta_update
 from ddl_hf.delta_ops import delta_update
+from tests.builders import delta_config, open_gates
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 EPS32 = torch.finfo(torch.float32).eps

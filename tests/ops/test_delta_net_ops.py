@@ -9,19 +9,9 @@ from hypothesis import strategies as st
 from torch.nn.functional import normalize
 
 from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent
+from tests.builders import delta_net_inputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_inputs(batch=2, heads=3, seq_len=37, d_k=8, d_v=5, beta_max=1.0, dtype=torch.float32, seed=0):
-    """DeltaNet-style inputs: unit-norm q and k, beta in (0, beta_max), a random initial state."""
-    g = torch.Generator().manual_seed(seed)
-    q = normalize(torch.randn(batch, heads, seq_len, d_k, generator=g, dtype=dtype), dim=-1)
-    k = normalize(torch.randn(batch, heads, seq_len, d_k, generator=g, dtype=dtype), dim=-1)
-    v = torch.randn(batch, heads, seq_len, d_v, generator=g, dtype=dtype)
-    beta = beta_max * torch.rand(batch, heads, seq_len, generator=g, dtype=dtype)
-    state = torch.randn(batch, heads, d_v, d_k, generator=g, dtype=dtype)
-    return q, k, v, beta, state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -31,7 +21,7 @@ def make_inputs(batch=2, heads=3, seq_len=37, d_k=8, d_v=5, beta_max=1.0, dtype=
 
 def test_recurrent_equals_explicit_householder_products():
     """S_t = S_0 prod_{j<=t} A_j + sum_i beta_i v_i k_i^T prod_{i<j<=t} A_j, each A_j = I - beta_j k_j k_j^T dense."""
-    q, k, v, beta, s0 = make_inputs(batch=1, heads=2, seq_len=7, d_k=4, d_v=3, beta_max=2.0, dtype=torch.float64)
+    q, k, v, beta, s0 = delta_net_inputs(batch=1, heads=2, seq_len=7, d_k=4, d_v=3, beta_max=2.0, dtype=torch.float64)
     k = k * 1.7  # the rule is exact for any k, not only unit k
     o, s_final = delta_rule_recurrent(q, k, v, beta, s0)
 
@@ -54,7 +44,7 @@ def test_recurrent_equals_explicit_householder_products():
 
 def test_recurrent_is_one_sgd_step_on_the_online_regression_loss():
     """S_t = S_{t-1} - beta_t grad_S 1/2 |S k_t - v_t|^2, with the gradient taken by autograd."""
-    q, k, v, beta, s0 = make_inputs(batch=1, heads=1, seq_len=6, d_k=4, d_v=3, dtype=torch.float64)
+    q, k, v, beta, s0 = delta_net_inputs(batch=1, heads=1, seq_len=6, d_k=4, d_v=3, dtype=torch.float64)
     _, s_final = delta_rule_recurrent(q, k, v, beta, s0)
     state = s0[0, 0]
     for t in range(6):
@@ -78,7 +68,7 @@ def test_beta_one_replaces_the_value_of_a_repeated_key():
 
 
 def test_beta_zero_leaves_the_state_unchanged():
-    q, k, v, beta, s0 = make_inputs(seq_len=5)
+    q, k, v, beta, s0 = delta_net_inputs(seq_len=5)
     o, s_final = delta_rule_recurrent(q, k, v, torch.zeros_like(beta), s0)
     torch.testing.assert_close(s_final, s0, rtol=0, atol=0)
     torch.testing.assert_close(o, torch.einsum("bhvk,bhtk->bhtv", s0, q))
@@ -86,7 +76,7 @@ def test_beta_zero_leaves_the_state_unchanged():
 
 def test_additive_rule_equals_causal_linear_attention():
     """erase=False is linear attention: o = Q S_0^T + causal(Q K^T) diag(beta) V, computed here as one matmul."""
-    q, k, v, beta, s0 = make_inputs(seq_len=11, dtype=torch.float64)
+    q, k, v, beta, s0 = delta_net_inputs(seq_len=11, dtype=torch.float64)
     causal = torch.ones(11, 11, dtype=torch.bool).tril()
     expected = q @ s0.transpose(-1, -2) + ((q @ k.transpose(-1, -2)) * causal) @ (beta.unsqueeze(-1) * v)
     for o, _ in (
@@ -105,7 +95,7 @@ def test_additive_rule_equals_causal_linear_attention():
 @pytest.mark.parametrize("chunk_size", [1, 8, 16, 37, 64], ids=lambda c: f"chunk{c}")  # T = 37: divides or not
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 def test_chunkwise_equals_recurrent_fp32(beta_max, chunk_size, with_state):
-    q, k, v, beta, s0 = make_inputs(seq_len=37, beta_max=beta_max)
+    q, k, v, beta, s0 = delta_net_inputs(seq_len=37, beta_max=beta_max)
     s0 = s0 if with_state else None
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, s0)
     o, s = delta_rule_chunkwise(q, k, v, beta, chunk_size, s0)
@@ -127,7 +117,7 @@ def test_chunkwise_equals_recurrent_fp32(beta_max, chunk_size, with_state):
     seed=st.integers(0, 2**16),
 )
 def test_chunkwise_equals_recurrent_for_any_shape(batch, heads, seq_len, d_k, d_v, chunk_size, beta_max, erase, seed):
-    q, k, v, beta, s0 = make_inputs(batch, heads, seq_len, d_k, d_v, beta_max, seed=seed)
+    q, k, v, beta, s0 = delta_net_inputs(batch, heads, seq_len, d_k, d_v, beta_max, seed=seed)
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, s0, erase=erase)
     o, s = delta_rule_chunkwise(q, k, v, beta, chunk_size, s0, erase=erase)
     assert (o - o_ref).abs().max() <= 1e-5
@@ -136,7 +126,7 @@ def test_chunkwise_equals_recurrent_for_any_shape(batch, heads, seq_len, d_k, d_
 
 @pytest.mark.parametrize("beta_max", [1.0, 2.0], ids=["beta_in_0_1", "beta_in_0_2"])
 def test_chunkwise_gradients_equal_recurrent_gradients(beta_max):
-    inputs = [x.requires_grad_(True) for x in make_inputs(seq_len=29, beta_max=beta_max)]
+    inputs = [x.requires_grad_(True) for x in delta_net_inputs(seq_len=29, beta_max=beta_max)]
     g = torch.Generator().manual_seed(1)
     o_weight, s_weight = torch.randn(2, 3, 29, 5, generator=g), torch.randn(2, 3, 5, 8, generator=g)
 
@@ -151,14 +141,14 @@ def test_chunkwise_gradients_equal_recurrent_gradients(beta_max):
 
 
 def test_gradcheck_float64():
-    inputs = tuple(x.requires_grad_(True) for x in make_inputs(1, 2, 5, 3, 2, beta_max=2.0, dtype=torch.float64))
+    inputs = tuple(x.requires_grad_(True) for x in delta_net_inputs(1, 2, 5, 3, 2, beta_max=2.0, dtype=torch.float64))
     assert torch.autograd.gradcheck(lambda *x: delta_rule_chunkwise(*x[:4], 2, x[4]), inputs)
     assert torch.autograd.gradcheck(lambda *x: delta_rule_recurrent(*x), inputs)
 
 
 def test_initial_state_continues_a_sequence():
     """Splitting a sequence and handing the state over gives the unsplit result (the cache relies on it)."""
-    q, k, v, beta, _ = make_inputs(seq_len=40, beta_max=2.0)
+    q, k, v, beta, _ = delta_net_inputs(seq_len=40, beta_max=2.0)
     o_full, s_full = delta_rule_chunkwise(q, k, v, beta, 16)
     o_a, s_a = delta_rule_chunkwise(q[:, :, :23], k[:, :, :23], v[:, :, :23], beta[:, :, :23], 16)
     o_b, s_b = delta_rule_recurrent(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], beta[:, :, 23:], s_a)
@@ -167,7 +157,7 @@ def test_initial_state_continues_a_sequence():
 
 
 def test_half_precision_inputs_keep_a_float32_state():
-    q, k, v, beta, _ = make_inputs(seq_len=20)
+    q, k, v, beta, _ = delta_net_inputs(seq_len=20)
     o_ref, s_ref = delta_rule_chunkwise(q, k, v, beta, 8)
     o, s = delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)), 8)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32

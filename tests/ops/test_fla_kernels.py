@@ -12,40 +12,21 @@ under the interpreter: it is called with the recurrent kernel's arguments, check
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
-from builders import delta_model
 
 import ddl_hf.kernels as backends
 from ddl_hf import delta_net_ops, delta_ops, fla_kernels
 from ddl_hf.delta_net_ops import delta_rule, delta_rule_chunkwise
 from ddl_hf.delta_ops import TENSOR_OPS, DeltaKernels
 from ddl_hf.fla_kernels import fla_available, fla_delta_rule
+from tests.builders import delta_model, delta_rule_inputs
+from tests.subprocesses import in_tritons_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
 HAVE_FLA = fla_available() and importlib.util.find_spec("triton") is not None
-
-
-def inputs(seq_len: int, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    """DeltaNet's inputs: unit-norm q, k `[B, H, T, d_k]`, v `[B, H, T, d_v]` (d_v != d_k: a transposed state shows),
-    beta in (0, 2) (the negative-eigenvalue range), a random initial state `[B, H, d_v, d_k]`."""
-    g = torch.Generator().manual_seed(seed)
-    b, h, d_k, d_v = 2, 2, 16, 8
-    q, k = (torch.nn.functional.normalize(torch.randn(b, h, seq_len, d_k, generator=g), dim=-1) for _ in range(2))
-    return dict(
-        q=q.to(dtype),
-        k=k.to(dtype),
-        v=torch.randn(b, h, seq_len, d_v, generator=g).to(dtype),
-        beta=(2 * torch.rand(b, h, seq_len, generator=g)).to(dtype),
-        initial_state=torch.randn(b, h, d_v, d_k, generator=g).to(dtype),
-    )
 
 
 def auto_runs_rule(monkeypatch, rule) -> None:
@@ -64,13 +45,12 @@ def auto_runs_rule(monkeypatch, rule) -> None:
 
 
 PACKED_SCRIPT = """
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from test_fla_kernels import inputs
+import json, torch
+from tests.builders import delta_rule_inputs
 from ddl_hf.delta_net_ops import delta_rule_recurrent
 from ddl_hf.fla_kernels import fla_delta_rule
 
-x = {name: value[:1] for name, value in inputs(12).items()}
+x = {name: value[:1] for name, value in delta_rule_inputs(12).items()}
 x["initial_state"] = None
 starts = torch.zeros(1, 12, dtype=torch.bool)
 starts[0, [0, 5, 9]] = True
@@ -86,15 +66,14 @@ print("RESULT", json.dumps({
 
 
 SCRIPT = """
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from test_fla_kernels import inputs
+import json, torch
+from tests.builders import delta_rule_inputs
 from ddl_hf.delta_net_ops import delta_rule_recurrent
 from ddl_hf.fla_kernels import fla_delta_rule
 
 out = {}
 for seq_len in (1, 12):
-    x = inputs(seq_len)
+    x = delta_rule_inputs(seq_len)
     o, state = fla_delta_rule(**x, erase=True, document_starts=None)
     o32, state32 = delta_rule_recurrent(**x)
     o64, state64 = delta_rule_recurrent(**{k: v.double() for k, v in x.items()})
@@ -105,23 +84,6 @@ for seq_len in (1, 12):
     out[seq_len]["shapes"] = [list(o.shape), list(state.shape), str(o.dtype), str(state.dtype)]
 print("RESULT", json.dumps(out))
 """
-
-
-def in_tritons_interpreter(script: str) -> dict:
-    """Run `script` in a fresh interpreter with `TRITON_INTERPRET=1` (it must be set before Triton is imported), able
-    to import this file and the helpers in tests/; returns what it printed after "RESULT "."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).resolve().parent)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.split("RESULT ", 1)[1])
 
 
 @pytest.mark.skipif(not HAVE_FLA, reason="fla-core and triton are not installed (the dev extra installs them)")
@@ -187,7 +149,7 @@ def stub_fla(monkeypatch):
 )
 def test_the_chunked_kernel_takes_half_precision_sequences_with_the_same_arguments(stub_fla, dtype, seq_len, chosen):
     chunk, recurrent = stub_fla
-    x = inputs(seq_len, dtype)
+    x = delta_rule_inputs(seq_len, dtype)
     o, state = fla_delta_rule(**x, erase=True, document_starts=None)
     called, other = (chunk, recurrent) if chosen == "chunk" else (recurrent, chunk)
     assert len(called.calls) == 1 and not other.calls
@@ -206,7 +168,7 @@ def test_q_and_k_in_float32_beside_a_half_precision_v_reach_fla_in_vs_dtype(stub
     so q and k arrive in float32 while v is the projection's half precision. fla's chunked kernel asserts one dtype
     (found on an H200); the mapping hands it all three in v's, rounding nothing beyond v's own precision."""
     chunk, _ = stub_fla
-    x = inputs(12, torch.float32)
+    x = delta_rule_inputs(12, torch.float32)
     x["v"] = x["v"].to(dtype)
     o, _ = fla_delta_rule(**x, erase=True, document_starts=None)
     call = chunk.calls[0]
@@ -216,7 +178,7 @@ def test_q_and_k_in_float32_beside_a_half_precision_v_reach_fla_in_vs_dtype(stub
 
 
 def test_the_write_only_rule_and_packed_rows_without_boundaries_take_the_torch_forms(stub_fla):
-    x = inputs(5)
+    x = delta_rule_inputs(5)
     starts = torch.zeros(2, 5, dtype=torch.bool)
     assert fla_delta_rule(**x, erase=False, document_starts=None) is None  # fla has no write-only kernel
     assert fla_delta_rule(**x, erase=True, document_starts=starts) is None  # finding boundaries reads the mask
@@ -230,13 +192,13 @@ def test_one_packed_row_with_its_boundaries_takes_flas_varlen_recurrent_form(stu
     """flash-attention's packed batch (one row, `cu_seq_lens_q`) in float32 goes to fla's recurrent kernel with
     `cu_seqlens`; the row's final state is its last document's (fla returns one per document), as
     `delta_rule_recurrent` hands on. In bf16 the chunked form would count chunks on the host: declined."""
-    x = {name: value[:1] for name, value in inputs(5, torch.bfloat16).items()}
+    x = {name: value[:1] for name, value in delta_rule_inputs(5, torch.bfloat16).items()}
     x["initial_state"] = None
     starts = torch.tensor([[True, False, True, False, False]])
     cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
     assert fla_delta_rule(**x, erase=True, document_starts=starts, cu_seqlens=cu_seqlens) is None
     chosen = 1
-    x = {name: value[:1] for name, value in inputs(5).items()}
+    x = {name: value[:1] for name, value in delta_rule_inputs(5).items()}
     x["initial_state"] = None
     starts = torch.tensor([[True, False, True, False, False]])
     cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
@@ -248,7 +210,7 @@ def test_one_packed_row_with_its_boundaries_takes_flas_varlen_recurrent_form(stu
 
 
 def test_the_entry_point_runs_the_kernel_it_is_given_and_falls_back_when_it_declines():
-    x = inputs(7)
+    x = delta_rule_inputs(7)
     state = x.pop("initial_state")
     calls = []
 

@@ -7,38 +7,14 @@ import contextlib
 
 import pytest
 import torch
-from builders import VOCAB, delta_config, gpt2_config
 from transformers import GPT2LMHeadModel
 
-from ddl_hf import DeltaGPTForCausalLM, delta_layers
+from ddl_hf import DeltaGPTForCausalLM
 from ddl_hf.delta_fused import fused_delta_update
 from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_ops import delta_update, straight_through_clamp, unit_direction
-
-EPS = 1e-6
-CASES = [(d_v, mode) for d_v in (1, 4) for mode in ("additive", "paper")]
-
-
-def make_inputs(d_v: int, dtype=torch.float64, shape=(2, 3), dim=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    state_shape = (*shape, dim, d_v) if d_v > 1 else (*shape, dim)
-    state = torch.randn(state_shape, generator=g, dtype=dtype)
-    h = torch.randn(*shape, dim, generator=g, dtype=dtype)
-    beta = 2 * torch.rand(*shape, generator=g, dtype=dtype)
-    value = torch.randn(*shape, d_v, generator=g, dtype=dtype)
-    return [t.requires_grad_() for t in (state, h, beta, value)]
-
-
-def dense_reference(state, h, beta, value, additive):
-    """A X + beta k v^T (+ h 1^T) with the Delta Operator A = I - beta k k^T materialised."""
-    k = h / torch.sqrt(h.square().sum(-1, keepdim=True) + EPS**2)
-    x = state if state.dim() == h.dim() + 1 else state.unsqueeze(-1)
-    eye = torch.eye(h.shape[-1], dtype=h.dtype)
-    a = eye - beta[..., None, None] * k.unsqueeze(-1) * k.unsqueeze(-2)
-    out = a @ x + beta[..., None, None] * k.unsqueeze(-1) * value.unsqueeze(-2)
-    if additive:
-        out = out + h.unsqueeze(-1)
-    return out if state.dim() == h.dim() + 1 else out.squeeze(-1)
+from tests.builders import VOCAB, delta_config, gpt2_config
+from tests.residual_references import CASES, EPS, dense_reference, make_inputs, readable_residuals
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)
@@ -114,21 +90,6 @@ def test_straight_through_clamp_value_and_gradient():
     assert torch.equal(y, x.detach().clamp(0.0, 1.0))
     (grad,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(grad, torch.ones_like(x))
-
-
-def readable_update(state, h, beta, value, eps, additive, erase=True, kernel=None):
-    """`fused_delta_update`'s readable reference: `delta_update(state, unit_direction(h, eps), ...)` (a kernel, which
-    the models given here never choose, is not run)."""
-    beta = beta.squeeze(-1) if beta.dim() == h.dim() else beta  # [..., 1] -> [...]
-    return delta_update(state, unit_direction(h, eps), beta, value, h if additive else None, erase)
-
-
-@contextlib.contextmanager
-def readable_residuals():
-    """Every Delta residual writes with the readable reference in the update op's place (autograd through it)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(delta_layers, "fused_delta_update", readable_update)
-        yield
 
 
 @pytest.mark.parametrize(("d_v", "mode"), CASES)

@@ -23,30 +23,6 @@ import sys
 
 import pytest
 import torch
-from builders import (
-    CLIENT_VARIANTS,
-    VOCAB,
-    build_source,
-    delta_config,
-    delta_model,
-    scramble_delta_weights,
-    to_delta,
-    variant_model,
-)
-from builders import open_llama_gates as llama_open_gates
-from rounding import ROUNDING_FACTOR
-from test_delta_net_clients import packed_row
-from test_delta_residual import (
-    VALUE_FIELDS,
-    VIEW_CASES,
-    assert_one_token_matches_the_float64_reference,
-    inputs,
-    read_of,
-    reference,
-    residual,
-    step,
-)
-from test_fused_delta import EPS, dense_reference, make_inputs
 
 import ddl_hf.kernels as backends
 import ddl_hf.native as native
@@ -65,6 +41,33 @@ from ddl_hf.delta_reads import DeltaStateConv
 from ddl_hf.kernels import DeltaImplementationUnavailable
 from ddl_hf.modeling_delta_gpt import DeltaGPTBlock
 from ddl_hf.native import NativeKernelUnavailable
+from tests.builders import (
+    CLIENT_VARIANTS,
+    VOCAB,
+    build_source,
+    delta_config,
+    delta_model,
+    packed_row,
+    scramble_delta_weights,
+    to_delta,
+    variant_model,
+)
+from tests.builders import open_llama_gates as llama_open_gates
+from tests.greedy import assert_generations_match
+from tests.residual_references import (
+    EPS,
+    VALUE_FIELDS,
+    VIEW_CASES,
+    assert_one_token_matches_the_float64_reference,
+    dense_reference,
+    inputs,
+    make_inputs,
+    read_of,
+    reference,
+    residual,
+    step,
+)
+from tests.rounding import ROUNDING_FACTOR
 
 TC = dict(delta_value_channels=4, delta_state_read="temporal_conv", delta_mode="paper")
 NATIVE = dict(delta_implementation="native")
@@ -647,8 +650,7 @@ def test_a_model_generates_with_the_native_kernels_as_with_tensor_ops(spy, varia
         # every residual of the prompt and of each step as one call: gate, value and update
         assert spy.calls == {"residual_step_forward": len(updates)} | ({"tc_read_forward": len(reads)} if reads else {})
         spy.calls.clear()
-        assert torch.equal(fast.sequences, plain.sequences)
-        torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+        assert_generations_match(plain, fast, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fields", [{}, {"delta_state_read": "temporal_conv"}], ids=["linear", "TC"])
@@ -667,8 +669,7 @@ def test_delta_llama_decodes_with_the_native_kernels_as_with_tensor_ops(spy, fie
     assert spy.calls["residual_step_forward"] == 8 * residuals  # the prefill and 7 one-token steps
     assert spy.calls["delta_update_forward"] == 0
     assert spy.calls["tc_read_forward"] == (8 * len(tc_reads(model)) if fields else 0)
-    assert torch.equal(fast.sequences, plain.sequences)
-    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
+    assert_generations_match(plain, fast, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])

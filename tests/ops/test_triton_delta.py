@@ -22,16 +22,12 @@ times a GPU).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.subprocesses import in_tritons_interpreter
+
 EPS32, EPS64 = torch.finfo(torch.float32).eps, torch.finfo(torch.float64).eps
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed (the dev extra installs it)"
@@ -39,10 +35,9 @@ pytestmark = pytest.mark.skipif(
 
 # Shared by every script: DeltaResidual modules of each combination, and the comparison of the op with them.
 COMMON = """
-import itertools, json, sys, torch
-sys.path.insert(0, sys.argv[1])
+import itertools, json, torch
 import ddl_hf.triton_delta as triton_delta
-from builders import delta_config
+from tests.builders import delta_config
 from ddl_hf.delta_layers import DeltaResidual
 
 # Blocks smaller than the shapes below, so that tokens and the hidden dim cross block edges (masked tails).
@@ -294,24 +289,6 @@ print("RESULT", json.dumps(out))
 )
 
 
-def in_tritons_interpreter(script: str, timeout: int = 600) -> dict:
-    """Run `script` in a fresh interpreter with `TRITON_INTERPRET=1`, able to import tests/ (passed as argv[1]);
-    returns what it printed after "RESULT "."""
-    paths = [ROOT, ROOT / "tests"]  # builders
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(map(str, paths))}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT / "tests")],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.split("RESULT ", 1)[1])
-
-
 @pytest.fixture(scope="module")
 def ops() -> dict:
     return in_tritons_interpreter(OPS_SCRIPT)
@@ -379,12 +356,11 @@ def test_opcheck_passes_schema_fake_tensors_autograd_and_aot_dispatch():
 
 
 MODELS_SCRIPT = """
-import copy, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from builders import CLIENT_VARIANTS, delta_model, scramble_delta_weights
-from builders import build_source
-from builders import to_delta
-from builders import open_llama_gates as llama_open_gates
+import copy, json, torch
+from tests.builders import CLIENT_VARIANTS, delta_model, scramble_delta_weights
+from tests.builders import build_source
+from tests.builders import to_delta
+from tests.builders import open_llama_gates as llama_open_gates
 
 VARIANTS = {name: CLIENT_VARIANTS[name] for name in
             ("additive-dv1", "paper-dv1", "additive-dv4", "paper-dv4", "tc-dv1", "tc-ec-paper-dv4", "cc-dv4",

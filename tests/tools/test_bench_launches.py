@@ -9,12 +9,11 @@ compiled graphs while the op's do not. The host-time ratios are recorded, not as
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.subprocesses import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
@@ -26,17 +25,16 @@ GOALS = {"paper-dv1": (1.15, 1.25), "paper-dv4": (1.25, 1.35)}  # (training, dec
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("launches")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-m", "ddl_lab.benchmarks.bench_launches", "--quick", "--steps", "2", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
+    run_python(
+        "-m",
+        "ddl_lab.benchmarks.bench_launches",
+        "--quick",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        triton_interpreter=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "launches.md").read_text().count("|") > 20
     return json.loads((out / "launches.json").read_text())
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from ddl_lab.checks import gpu_check, gpu_report
+from tests.subprocesses import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ddl_lab" / "checks" / "gpu_check.py"
@@ -187,18 +187,8 @@ print(json.dumps({"calls": calls, "layers": delta.config.n_layer}))
 def test_the_triton_ops_calls_are_counted_under_the_interpreter():
     """The real `ddl_hf::delta_residual` op (Triton's interpreter on CPU tensors): the triton section's launch count
     sees one op call per Delta residual forward, none with "eager"."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_python("-c", TRITON_SCRIPT, triton_interpreter=True)
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["calls"] == {"eager": 0, "triton": 2 * result["layers"]}
 
 
