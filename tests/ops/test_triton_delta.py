@@ -231,7 +231,7 @@ print("RESULT", json.dumps(out))
 MUTANT_SCRIPT = (
     COMMON
     + """
-import importlib, pathlib, shutil, tempfile
+import importlib, pathlib, shutil, sys, tempfile
 package = pathlib.Path(triton_delta.__file__).parent
 MUTANTS = {
     "forward: the erase term loses r": ("coefficient = v - r[:, None] * hx", "coefficient = v - hx"),

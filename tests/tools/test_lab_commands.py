@@ -45,6 +45,7 @@ ELSEWHERE = {
     "ddl_lab.studies.bench_pretrain_length": "test_bench_pretrain_length.py (--quick)",
     "ddl_lab.studies.bench_pretrain_scaling": "test_bench_pretrain_scaling.py (--quick plan, synthetic runs)",
     "ddl_lab.checks.gpu_check": "test_gpu_check.py (--device cpu --tiny, a subprocess)",
+    "ddl_lab.checks.gpu_report": "not a command: gpu_check's report, written by test_gpu_check.py's runs",
     # Not run by the suite, with the reason:
     "ddl_lab.benchmarks.bench_delta_net": "not run: --quick starts a process per method and pass (minutes)",
     "ddl_lab.studies.assoc_recall": "not run: --quick trains three models for 20 Trainer steps (minutes on 2 cores)",
