@@ -163,3 +163,17 @@ def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
                     param.copy_(torch.randn(param.shape, generator=generator))
                 if module.v_proj is not None:  # None with delta_value="constant"
                     module.v_proj.weight.copy_(torch.randn(module.v_proj.weight.shape, generator=generator))
+
+
+#: The GPU check's variants, name -> (baseline family, Delta fields): both modes, d_v = 1 and 4, the temporal and
+#: channel-conv reads, DeltaLlama. `ddl_lab.checks.gpu_check` reports their cost, tests/gpu their correctness.
+GPU_VARIANTS: dict[str, tuple[str, dict]] = {
+    "additive-dv1": ("gpt2", dict(delta_mode="additive", delta_value_channels=1)),
+    "paper-dv1": ("gpt2", dict(delta_mode="paper", delta_value_channels=1)),
+    "additive-dv4": ("gpt2", dict(delta_mode="additive", delta_value_channels=4)),
+    "paper-dv4": ("gpt2", dict(delta_mode="paper", delta_value_channels=4)),
+    "paper-dv4-tc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv")),
+    "paper-dv4-cc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="channel_conv")),
+    "llama-additive-dv1": ("llama", dict(delta_mode="additive", delta_value_channels=1)),
+    "llama-paper-dv4": ("llama", dict(delta_mode="paper", delta_value_channels=4)),
+}

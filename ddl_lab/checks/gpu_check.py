@@ -62,17 +62,8 @@ from ddl_lab.common import (
 # --- what is measured --------------------------------------------------------------------------------------------
 
 _COMMON = dict(delta_beta_init=0.5)  # a generic open gate: additive mode at beta 0 would be the baseline exactly
-#: name -> (baseline family, Delta fields). Every section runs every variant; the compiled cost rows a subset.
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "additive-dv1": ("gpt2", dict(delta_mode="additive", delta_value_channels=1)),
-    "paper-dv1": ("gpt2", dict(delta_mode="paper", delta_value_channels=1)),
-    "additive-dv4": ("gpt2", dict(delta_mode="additive", delta_value_channels=4)),
-    "paper-dv4": ("gpt2", dict(delta_mode="paper", delta_value_channels=4)),
-    "paper-dv4-tc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv")),
-    "paper-dv4-cc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="channel_conv")),
-    "llama-additive-dv1": ("llama", dict(delta_mode="additive", delta_value_channels=1)),
-    "llama-paper-dv4": ("llama", dict(delta_mode="paper", delta_value_channels=4)),
-}
+# VARIANTS (builders.GPU_VARIANTS): every section runs every variant; the compiled cost rows a subset.
+VARIANTS = builders.GPU_VARIANTS
 #: The triton section's extra row: a DeltaNet DeltaGPT, whose "triton" also runs fla's delta rule (where installed).
 DELTA_NET_ROW = "delta-net"
 

@@ -21,19 +21,11 @@ import torch
 from transformers import PreTrainedModel
 
 import ddl_hf
+from ddl_lab.builders import GPU_VARIANTS
 from tests.builders import build_source, gpt2_model
 
-#: name -> (baseline family, Delta fields): both modes, d_v = 1 and 4, the temporal and channel-conv reads, DeltaLlama.
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "additive-dv1": ("gpt2", dict(delta_mode="additive", delta_value_channels=1)),
-    "paper-dv1": ("gpt2", dict(delta_mode="paper", delta_value_channels=1)),
-    "additive-dv4": ("gpt2", dict(delta_mode="additive", delta_value_channels=4)),
-    "paper-dv4": ("gpt2", dict(delta_mode="paper", delta_value_channels=4)),
-    "paper-dv4-tc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv")),
-    "paper-dv4-cc": ("gpt2", dict(delta_mode="paper", delta_value_channels=4, delta_state_read="channel_conv")),
-    "llama-additive-dv1": ("llama", dict(delta_mode="additive", delta_value_channels=1)),
-    "llama-paper-dv4": ("llama", dict(delta_mode="paper", delta_value_channels=4)),
-}
+#: name -> (baseline family, Delta fields): the GPU check's variants, one table for the tests and the cost report.
+VARIANTS = GPU_VARIANTS
 #: The gate of every converted variant: open (additive mode at beta = 0 would be the baseline exactly).
 BETA = 0.5
 
