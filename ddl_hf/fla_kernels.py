@@ -14,7 +14,7 @@ The chunked kernel takes bf16 / fp16 inputs; float32 models take the recurrent k
 run): the write-only rule (`erase=False`, which fla has no kernel for) and packed rows (`document_starts`): fla
 takes them as `cu_seqlens`, whose lengths its kernels read on the host, and the models keep every forward free of
 host reads. tests/ops/test_fla_kernels.py checks the mapping on the CPU through Triton's interpreter against
-`delta_rule_recurrent`; on a GPU, `ddl_lab/checks/gpu_check.py` runs it.
+`delta_rule_recurrent`; on a GPU, tests/gpu/test_gpu_kernels.py checks fla's kernels against the float64 recurrence.
 """
 
 from __future__ import annotations

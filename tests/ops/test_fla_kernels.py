@@ -5,8 +5,9 @@ before Triton is imported, hence a subprocess) for fla's recurrent kernel, again
 kernel is chosen and with what arguments (a stub fla); the entry point's dispatch and fallback; that "auto" and
 "triton" on CUDA resolve fla's rule where fla is installed (`ddl_hf.kernels.kernels_for`) and that a DeltaNet model
 hands its implementation's rule to the entry point. What it cannot: fla's chunked kernel (it needs a GPU driver even
-under the interpreter: it is called with the recurrent kernel's arguments, checked here with the stub) and any speed
-(`ddl_lab/checks/gpu_check.py` on a device). tests/models/test_fake_cuda.py runs a DeltaNet model on fake CUDA tensors.
+under the interpreter: it is called with the recurrent kernel's arguments, checked here with the stub; on a
+device tests/gpu/test_gpu_kernels.py checks it) and any speed (`ddl_lab/checks/gpu_check.py` on a device).
+tests/models/test_fake_cuda.py runs a DeltaNet model on fake CUDA tensors.
 """
 
 from __future__ import annotations
