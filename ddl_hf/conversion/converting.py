@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, PreTrainedConfig
+from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from ..configuration_delta_gpt import DeltaGPTConfig
@@ -153,6 +153,45 @@ def materialize_meta_parameters(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def source_weights(
+    source: PreTrainedModel, dtype: str | torch.dtype | None, share_weights: bool
+) -> tuple[str | torch.dtype, dict[str, torch.Tensor]]:
+    """A source model's dtype (its own, unless `dtype` names another) and weights (cloned unless `share_weights`)."""
+    dtype = source.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
+    state_dict = source.state_dict()
+    if not share_weights:
+        state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
+    return dtype, state_dict
+
+
+def from_state_dict(
+    model_class: type[PreTrainedModel],
+    config: PreTrainedConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: str | torch.dtype,
+    like: PreTrainedModel,
+) -> tuple[PreTrainedModel, list[str]]:
+    """`model_class(config)` holding `state_dict`, with `like`'s generation config and train mode, and what did not
+    fit: a phrase per kind ("missing [...]", "unexpected [...]", "wrong shape [...]"), [] when everything did.
+
+    Built as `from_pretrained` builds a model from a state dict: on the meta device, initialising only what the state
+    dict lacks, so this is fast even for gpt2-xl. A Delta model's Delta parameters are the only keys it may lack.
+    """
+    with _quiet_transformers():
+        model, info = model_class.from_pretrained(
+            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
+        )
+    new = model.delta_parameters() if hasattr(model, "delta_parameters") else {}
+    kinds = {
+        "missing": sorted(set(info["missing_keys"]) - set(new)),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "wrong shape": sorted(map(str, info["mismatched_keys"])),
+    }
+    problems = [f"{kind} {keys}" for kind, keys in kinds.items() if keys]
+    model.generation_config = copy.deepcopy(like.generation_config)
+    return materialize_meta_parameters(model).train(like.training), problems
+
+
 def looks_like_path(name: str) -> bool:
     """A filesystem path rather than a Hub id ("gpt2", "org/name"), so a missing one is "no such directory"."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or os.path.exists(name)
@@ -279,16 +318,13 @@ def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTFor
     """convert_gpt2; `share_weights=True` lets the result use the source's tensors (saves a copy of the weights
     when the caller owns the source and will not train either model, as `convert_checkpoint` does)."""
     overrides = dict(config_overrides)
+    dtype = overrides.pop("dtype", None)
     if isinstance(source, GPT2LMHeadModel):
         _check_gpt2_config(source.config, f"The {type(source).__name__} passed in")
-        gpt2, dtype = source, overrides.pop("dtype", None)
-        dtype = gpt2.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
-        state_dict = gpt2.state_dict()
-        if not share_weights:
-            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
+        gpt2 = source
     elif isinstance(source, (str, os.PathLike)):
-        gpt2 = load_gpt2(source, overrides.pop("dtype", "auto"))
-        dtype, state_dict = gpt2.dtype, gpt2.state_dict()
+        gpt2 = load_gpt2(source, dtype or "auto")
+        dtype, share_weights = None, True  # loaded in that dtype for this conversion alone
     else:
         if hasattr(source, "config"):
             _check_gpt2_config(source.config, f"The {type(source).__name__} passed in")
@@ -297,22 +333,11 @@ def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTFor
             "Load the checkpoint with GPT2LMHeadModel.from_pretrained (or pass its path) instead."
         )
     config = _delta_config(gpt2.config, overrides)
-
-    # from_pretrained with a state dict builds the model on the meta device and initialises only what the state
-    # dict lacks (the Delta parameters, via _init_weights), so this is fast even for gpt2-xl.
-    with _quiet_transformers():
-        model, info = DeltaGPTForCausalLM.from_pretrained(
-            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
-        )
-    really_missing = sorted(set(info["missing_keys"]) - set(model.delta_parameters()))
-    if really_missing or info["unexpected_keys"] or info["mismatched_keys"]:
-        raise ConversionError(
-            "GPT-2 weights do not match the DeltaGPT layout: "
-            f"missing {really_missing}, unexpected {sorted(info['unexpected_keys'])}, "
-            f"wrong shape {sorted(str(k) for k in info['mismatched_keys'])}."
-        )
-    model.generation_config = copy.deepcopy(gpt2.generation_config)
-    return materialize_meta_parameters(model).train(gpt2.training)
+    dtype, state_dict = source_weights(gpt2, dtype, share_weights)
+    model, problems = from_state_dict(DeltaGPTForCausalLM, config, state_dict, dtype, like=gpt2)
+    if problems:
+        raise ConversionError(f"GPT-2 weights do not match the DeltaGPT layout: {', '.join(problems)}.")
+    return model
 
 
 __all__ = ["DTYPES", "convert_gpt2", "load_gpt2", "read_source_config"]

@@ -6,15 +6,13 @@ Which blocks, parameters and bounds are Delta is asked of the model (`delta_resi
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ..configuration_delta_gpt import DeltaGPTConfig
 from ..delta_reads import DeltaRead
 from ..modeling_delta_gpt import DeltaGPTForCausalLM
-from .converting import CHECKPOINT_KEYS, _quiet_transformers, delta_config_fields
+from .converting import CHECKPOINT_KEYS, delta_config_fields, from_state_dict
 
 
 @torch.no_grad()
@@ -94,14 +92,10 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
     state_dict = {
         name: tensor.detach().clone() for name, tensor in model.state_dict().items() if name not in delta_parameters
     }
-    with _quiet_transformers():
-        gpt2, info = GPT2LMHeadModel.from_pretrained(
-            None, config=gpt2_config, state_dict=state_dict, dtype=model.dtype, output_loading_info=True
-        )
-    if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # a DeltaGPT layout bug
-        raise ValueError(f"DeltaGPT weights do not map onto GPT-2: {info}")
-    gpt2.generation_config = copy.deepcopy(model.generation_config)
-    return gpt2.train(model.training)
+    gpt2, problems = from_state_dict(GPT2LMHeadModel, gpt2_config, state_dict, model.dtype, like=model)
+    if problems:  # a DeltaGPT layout bug
+        raise ValueError(f"DeltaGPT weights do not map onto GPT-2: {', '.join(problems)}.")
+    return gpt2
 
 
 __all__ = ["beta_upper_bounds", "check_exportable", "export_to_gpt2"]

@@ -7,7 +7,6 @@ so that beta == `delta_beta_init` exactly (default 0: the additive model compute
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 
@@ -20,9 +19,10 @@ from .converting import (
     CHECKPOINT_KEYS,
     _quiet_transformers,
     _resolve_dtype,
+    from_state_dict,
     hub_kwargs,
-    materialize_meta_parameters,
     read_source_config,
+    source_weights,
 )
 from .errors import ConversionError
 from .exporting import check_exportable
@@ -131,30 +131,21 @@ def _convert_llama(source, config_overrides: dict, share_weights: bool) -> Delta
     if isinstance(source, PreTrainedModel):
         _check_family_config(source.config, f"The {type(source).__name__} passed in")
         model_in = source
-        dtype = source.dtype if dtype in (None, "auto") else _resolve_dtype(dtype)
-        state_dict = source.state_dict()
-        if not share_weights:
-            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
     elif isinstance(source, (str, os.PathLike)):
-        model_in = load_llama_family(source, "auto" if dtype is None else dtype)
-        dtype, state_dict = model_in.dtype, model_in.state_dict()
+        model_in = load_llama_family(source, dtype or "auto")
+        dtype, share_weights = None, True  # loaded in that dtype for this conversion alone
     else:
         raise ConversionError(
             f"source must be a Hub id, a directory or a Llama-family causal LM, not a {type(source).__name__}."
         )
     config = _delta_llama_config(model_in.config, overrides)
-    with _quiet_transformers():
-        model, info = DeltaLlamaForCausalLM.from_pretrained(
-            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
-        )
-    really_missing = sorted(set(info["missing_keys"]) - set(model.delta_parameters()))
-    if really_missing or info["unexpected_keys"] or info["mismatched_keys"]:
+    dtype, state_dict = source_weights(model_in, dtype, share_weights)
+    model, problems = from_state_dict(DeltaLlamaForCausalLM, config, state_dict, dtype, like=model_in)
+    if problems:
         raise ConversionError(
-            f"{config.source_model_type} weights do not match the DeltaLlama layout: missing {really_missing}, "
-            f"unexpected {sorted(info['unexpected_keys'])}, wrong shape {sorted(map(str, info['mismatched_keys']))}."
+            f"{config.source_model_type} weights do not match the DeltaLlama layout: {', '.join(problems)}."
         )
-    model.generation_config = copy.deepcopy(model_in.generation_config)
-    return materialize_meta_parameters(model).train(model_in.training)
+    return model
 
 
 def export_to_llama(model: DeltaLlamaForCausalLM) -> PreTrainedModel:
@@ -167,14 +158,10 @@ def export_to_llama(model: DeltaLlamaForCausalLM) -> PreTrainedModel:
     delta_parameters = set(model.delta_parameters())
     state_dict = {n: t.detach().clone() for n, t in model.state_dict().items() if n not in delta_parameters}
     model_class = AutoModelForCausalLM._model_mapping[type(family_config)]
-    with _quiet_transformers():
-        exported, info = model_class.from_pretrained(
-            None, config=family_config, state_dict=state_dict, dtype=model.dtype, output_loading_info=True
-        )
-    if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # a DeltaLlama layout bug
-        raise ValueError(f"DeltaLlama weights do not map onto {model_class.__name__}: {info}")
-    exported.generation_config = copy.deepcopy(model.generation_config)
-    return exported.train(model.training)
+    exported, problems = from_state_dict(model_class, family_config, state_dict, model.dtype, like=model)
+    if problems:  # a DeltaLlama layout bug
+        raise ValueError(f"DeltaLlama weights do not map onto {model_class.__name__}: {', '.join(problems)}.")
+    return exported
 
 
 __all__ = ["convert_llama", "export_to_llama", "load_llama_family"]
