@@ -124,46 +124,32 @@ def _run_upgrade(args: argparse.Namespace) -> int:
     return run_upgrade_cli(args)
 
 
-def add_convert_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `convert` to a `ddl-hf` style command line."""
-    parser = subparsers.add_parser(
-        "convert",
-        help="convert a GPT-2 or Llama-family checkpoint into a Delta model Hub repository",
-        description=CONVERT_DESCRIPTION,
-    )
-    add_convert_arguments(parser)
-    return parser
-
-
-def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `inspect` to a `ddl-hf` style command line."""
-    parser = subparsers.add_parser(
-        "inspect",
-        help="per-layer beta report and heat-map of a DeltaGPT or DeltaLlama model on a text",
-        description="Show which Delta blocks keep (beta<0.5), forget/project (0.5-1.5) or reflect (>1.5).",
-    )
-    add_inspect_arguments(parser)
-    return parser
-
-
-def add_upgrade_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `upgrade` to a `ddl-hf` style command line."""
-    parser = subparsers.add_parser(
-        "upgrade",
-        help="rewrite a checkpoint saved by ddl-hf 0.1 so that this release loads it",
-        description=UPGRADE_DESCRIPTION,
-    )
-    add_upgrade_arguments(parser)
-    return parser
+#: `ddl-hf`'s subcommands: name -> (one-line help, description, the function adding its arguments).
+SUBCOMMANDS = {
+    "convert": (
+        "convert a GPT-2 or Llama-family checkpoint into a Delta model Hub repository",
+        CONVERT_DESCRIPTION,
+        add_convert_arguments,
+    ),
+    "inspect": (
+        "per-layer beta report and heat-map of a DeltaGPT or DeltaLlama model on a text",
+        "Show which Delta blocks keep (beta<0.5), forget/project (0.5-1.5) or reflect (>1.5).",
+        add_inspect_arguments,
+    ),
+    "upgrade": (
+        "rewrite a checkpoint saved by ddl-hf 0.1 so that this release loads it",
+        UPGRADE_DESCRIPTION,
+        add_upgrade_arguments,
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ddl-hf` parser (light: no torch, no transformers)."""
     parser = argparse.ArgumentParser(prog="ddl-hf", description="Deep Delta Learning (DeltaGPT, DeltaLlama) tools.")
     subcommands = parser.add_subparsers(dest="command", required=True)
-    add_convert_subcommand(subcommands)
-    add_inspect_subcommand(subcommands)
-    add_upgrade_subcommand(subcommands)
+    for name, (summary, description, add_arguments) in SUBCOMMANDS.items():
+        add_arguments(subcommands.add_parser(name, help=summary, description=description))
     return parser
 
 
