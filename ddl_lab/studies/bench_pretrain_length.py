@@ -511,10 +511,7 @@ def contrast_label(name: str) -> str:
 
 def slope_verdict(d: dict) -> str:
     """bench_pretrain's reading of an interval, said of a slope."""
-    words = bp.verdict(d)
-    return {"better": "Δ falls with length", "worse": "Δ rises with length", "within": "no resolved trend"}.get(
-        words.split()[0], words
-    )
+    return bp.verdict(d, ("Δ falls with length", "Δ rises with length", "no resolved trend"))
 
 
 def mean_and_spread(stats: dict[str, float]) -> str:

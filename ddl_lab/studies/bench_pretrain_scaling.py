@@ -52,24 +52,19 @@ class Plan:
     workers: int = 2
 
 
+_FULL = Plan(
+    "cpu",
+    widths=(32, 80, 160),
+    seeds=(3, 3, 3),
+    sweep_lrs=(1.5e-3, 3e-3, 6e-3),
+    tokens_per_param=1.0,
+    min_steps=200,
+)
 PLANS = {
-    "full": Plan(
-        "cpu",
-        widths=(32, 80, 160),
-        seeds=(3, 3, 3),
-        sweep_lrs=(1.5e-3, 3e-3, 6e-3),
-        tokens_per_param=1.0,
-        min_steps=200,
-    ),
-    "quick": Plan(
-        "quick",
-        widths=(16, 24, 32),
-        seeds=(2, 2, 2),
-        sweep_lrs=(1.5e-3, 3e-3, 6e-3),
-        tokens_per_param=1.0,
-        min_steps=0,
-        fixed_steps=16,
-        workers=0,
+    "full": _FULL,
+    # The same pipeline on toy sizes, every size the same steps, in this process.
+    "quick": dataclasses.replace(
+        _FULL, base_preset="quick", widths=(16, 24, 32), seeds=(2, 2, 2), min_steps=0, fixed_steps=16, workers=0
     ),
 }
 
@@ -435,19 +430,11 @@ def markdown(results: dict) -> str:
 
 
 def trend_fmt(t: dict) -> str:
-    if math.isnan(t["ci_low"]):
-        return f"{t['mean']:+.3f}"
-    return f"{t['mean']:+.3f} [{t['ci_low']:+.3f}, {t['ci_high']:+.3f}]"
+    return bp.fmt_ci(t, digits=3)
 
 
 def trend_verdict(t: dict) -> str:
-    if math.isnan(t["ci_low"]):
-        return "n too small"
-    if t["ci_high"] < 0:
-        return "gains with size"
-    if t["ci_low"] > 0:
-        return "loses with size"
-    return "no resolved trend"
+    return bp.verdict(t, ("gains with size", "loses with size", "no resolved trend"))
 
 
 def studies_table(results: dict) -> str:
