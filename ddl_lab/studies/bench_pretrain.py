@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import REPO_ROOT, git_state, provenance, write_results
+from ddl_lab.common import REPO_ROOT, git_state, provenance, pyplot, save_figure, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: What a worker process runs (`python -m WORKER_MODULE ... --worker VARIANT SEED`); a study built on this one
@@ -743,10 +743,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -778,9 +775,7 @@ def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
     bx.set_yticks(np.arange(len(names)), [rows[v]["label"] for v in names], fontsize=8)
     bx.set(xlabel=f"Δ validation loss vs {base} (95% CI)", title=f"Paired difference to {base}")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -936,7 +931,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pretrain_quick" if args.preset == "quick" else f"pretrain{'' if args.preset == 'cpu' else '_' + args.preset}"
     )
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     write_results(out, name, results, markdown(results))
     plot(results, runs, out / f"{name}.png")
     print(markdown(results))

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import provenance, study_parser, write_results
+from ddl_lab.common import provenance, pyplot, save_figure, study_parser, study_plan, write_results
 from ddl_lab.studies import bench_pretrain as bp
 
 RESULTS = bp.RESULTS
@@ -480,10 +480,7 @@ def update_studies(results: dict, path: Path = STUDIES) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     a = results["analysis"]
     sizes = [s for s in a["sizes"].values() if s["arch"] == "llama"]
@@ -525,9 +522,7 @@ def plot(results: dict, path: Path) -> None:
     )
     if sweep:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -543,9 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    plan = PLANS["quick" if args.quick else "full"]
-    if args.workers is not None:
-        plan = dataclasses.replace(plan, workers=args.workers)
+    plan = study_plan(PLANS, args)
     from ddl_hf.training import default_cache_dir
 
     cache_dir = args.cache_dir or str(default_cache_dir() / "pretrain")
@@ -604,7 +597,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     name = "pretrain_scaling_quick" if args.quick else "pretrain_scaling"
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = markdown(results)
     write_results(out, name, results, report)
     plot(results, out / f"{name}.png")
