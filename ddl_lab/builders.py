@@ -20,41 +20,32 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import ddl_hf
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, DeltaLlamaConfig, DeltaLlamaForCausalLM
 
+#: What is timed on a shape: batch and sequence length, and `memory_batch` for peak training memory. On the ~100M
+#: shapes training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
+_TIMED_SMALL = dict(batch=8, seq=256, memory_batch=8)
+_TIMED_100M = dict(batch=1, seq=256, memory_batch=2)
+#: The small models people train to try an architecture out (a from-scratch study: a small BPE vocabulary).
+_SMALL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, **_TIMED_SMALL)
+
 #: The benchmark shapes, by name: the model (layers, width, heads, vocabulary; `arch="llama"` for the Llama family)
 #: and what is timed on it (batch, sequence length; `memory_batch` for peak training memory).
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch=4, seq=64, memory_batch=4),
-    # The small models people train to try an architecture out (a from-scratch study: a small BPE vocabulary).
-    "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, batch=8, seq=256, memory_batch=8),
-    # Training memory is measured at batch 2, where activations (not AdamW) set the peak; time at batch 1.
-    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, batch=1, seq=256, memory_batch=2),
-    # Llama-family shapes: transformers' LlamaForCausalLM against DeltaLlama over it; RoPE, RMSNorm,
-    # SwiGLU and grouped-query attention (kv_heads). The second is SmolLM-135M's shape (30 narrow layers).
-    "llama-small": dict(
-        arch="llama",
-        n_layer=4,
-        n_embd=256,
-        n_head=4,
-        kv_heads=2,
-        intermediate=688,
-        vocab_size=8192,
-        batch=8,
-        seq=256,
-        memory_batch=8,
-    ),
+    "small": _SMALL,
+    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, **_TIMED_100M),
+    # Llama-family shapes: transformers' LlamaForCausalLM against DeltaLlama over it; RoPE, RMSNorm, SwiGLU and
+    # grouped-query attention (kv_heads). The first is "small" on that backbone, the second SmolLM-135M's shape (30
+    # narrow layers).
+    "llama-small": dict(_SMALL, arch="llama", kv_heads=2, intermediate=688),
     "smollm-135m": dict(
-        arch="llama",
-        n_layer=30,
-        n_embd=576,
-        n_head=9,
-        kv_heads=3,
-        intermediate=1536,
-        vocab_size=49152,
-        batch=1,
-        seq=256,
-        memory_batch=2,
+        arch="llama", n_layer=30, n_embd=576, n_head=9, kv_heads=3, intermediate=1536, vocab_size=49152, **_TIMED_100M
     ),
 }
+
+
+def gpt2_dropout(p: float) -> dict[str, float]:
+    """GPT-2's three dropout probabilities (residual, embedding, attention), all `p`, as config fields."""
+    return dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), p)
 
 
 def base_config(shape: dict, **fields) -> GPT2Config | LlamaConfig:

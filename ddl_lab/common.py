@@ -7,6 +7,7 @@ floor.
     row = interleaved(step_a, step_b, pairs=9)   # B / A in alternating pairs; time A against a copy of A for the floor
     ...
     write_results(out_dir, "name", {"provenance": prov, ...}, markdown_body)
+    save_figure(fig, out_dir / "name.png")          # a figure drawn with pyplot(): laid out, 120 dpi, closed
 
 Every results JSON gets a `provenance` block (the exact command, as `python -m ddl_lab.<folder>.<tool> ...`, the git
 commit, the machine, the versions, the date in UTC) and every Markdown results file a short header made from the
@@ -25,6 +26,7 @@ the peak memory of a training step (`peak_step_memory`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -387,6 +389,36 @@ def study_parser(description: str | None, quick: str, output_dir: str | os.PathL
     parser.add_argument("--output-dir", default=str(output_dir), help="results (default: results/ beside the study)")
     parser.add_argument("--workers", type=int, default=None, help="runs at a time (default: the plan's)")
     return parser
+
+
+def study_plan(plans: dict[str, Any], args: argparse.Namespace) -> Any:
+    """The plan of a `study_parser` study's command line: `plans["quick"]` with `--quick`, else `plans["full"]`; its
+    `workers` replaced by `--workers` where given."""
+    plan = plans["quick" if args.quick else "full"]
+    return plan if args.workers is None else dataclasses.replace(plan, workers=args.workers)
+
+
+# --- figures -----------------------------------------------------------------------------------------------------
+
+
+def pyplot() -> Any:
+    """`matplotlib.pyplot` on the Agg backend (files only, no display needed), as every results figure is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | os.PathLike) -> Path:
+    """Lay `fig` out (unless it has a layout engine of its own), write it to `path` at 120 dpi and close it."""
+    plt = pyplot()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
 
 
 # --- writing -----------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Associative recall with overwritten keys: where the delta rule's erase-and-replace matters.
 
     python -m ddl_lab.studies.assoc_recall      # trains 3 models, writes ddl_lab/studies/results/assoc_recall.{json,md}
-    python -m ddl_lab.studies.assoc_recall --quick    # a few steps each; writes only with --out (assoc_recall_quick.*)
+    python -m ddl_lab.studies.assoc_recall --quick    # the pipeline in seconds: 4 steps each, 64 test sequences;
+                                                      # writes only with --out (assoc_recall_quick.*)
 
 Task (built by `build_dataset` as a `datasets.Dataset`): each sequence writes `n_keys` distinct keys
 `writes_per_key` times each, every time with a fresh random value, in shuffled order (`k v k v ...`); then a query
@@ -28,8 +29,11 @@ from transformers import Trainer, TrainingArguments
 
 import ddl_hf  # noqa: F401
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_lab.builders import gpt2_dropout
 from ddl_lab.common import REPO_ROOT, provenance, write_results
 
+#: The models' shape: the same for every token mixer.
+MODEL = dict(n_embd=64, n_layer=2, n_head=4)
 MIXERS = {
     "delta_net": {"token_mixer": "delta_net", "delta_net_rule": "delta"},
     "additive": {"token_mixer": "delta_net", "delta_net_rule": "write_only"},
@@ -73,12 +77,8 @@ def make_model(mixer: str, vocab_size: int, seq_len: int, seed: int) -> DeltaGPT
     config = DeltaGPTConfig(
         vocab_size=vocab_size,
         n_positions=seq_len,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        **MODEL,
+        **gpt2_dropout(0.0),
         bos_token_id=None,
         eos_token_id=None,
         **MIXERS[mixer],
@@ -108,7 +108,10 @@ def evaluate(model: DeltaGPTForCausalLM, test: Dataset, batch_size: int = 250) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--quick", action="store_true", help="a few steps per model; print, write only where --out is given"
+        "--quick",
+        action="store_true",
+        help="the pipeline, not a result: 4 Trainer steps per model, 64 held-out sequences; print, write only where "
+        "--out is given",
     )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
@@ -118,11 +121,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prov = provenance()
-    steps = 20 if args.quick else args.steps
+    steps = 4 if args.quick else args.steps
 
     task = dict(n_keys=8, writes_per_key=3, n_queries=4, key_vocab=16, value_vocab=16)
     train = build_dataset(64 * steps, seed=args.seed, **task).remove_columns("stale_values")
-    test = build_dataset(200 if args.quick else 2000, seed=args.seed + 1, **task)
+    test = build_dataset(64 if args.quick else 2000, seed=args.seed + 1, **task)
     vocab_size, seq_len = task["key_vocab"] + task["value_vocab"] + 1, len(test[0]["input_ids"])
 
     results = {"provenance": prov, "task": task, "seq_len": seq_len, "train_sequences": len(train), "steps": steps}
@@ -173,7 +176,9 @@ def markdown(results: dict) -> str:
         f"{task['writes_per_key']} times each (fresh random value each time; {task['key_vocab']} possible keys, "
         f"{task['value_vocab']} values), then queries {task['n_queries']} keys; the answer is the value written last. "
         f"Sequence length {results['seq_len']}; {results['steps']} Trainer steps of batch 64 per model; accuracy over "
-        "held-out answers. Models: DeltaGPT, 2 layers, n_embd 64, 4 heads, identical except the token mixer.",
+        "held-out answers. "
+        f"Models: DeltaGPT, {MODEL['n_layer']} layers, n_embd {MODEL['n_embd']}, {MODEL['n_head']} heads, identical "
+        "except the token mixer.",
         "",
         "| token mixer | parameters | answer accuracy | stale (overwritten) value predicted | mean train loss |",
         "|---|---:|---:|---:|---:|",

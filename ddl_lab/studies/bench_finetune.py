@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import provenance, write_results
+from ddl_lab.common import provenance, pyplot, save_figure, write_results
 from ddl_lab.studies.bench_pretrain import fmt_ci, mean_std, paired_difference, verdict
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def default_base(pretrain_set: list[str] = ()) -> Path:
     """The from-scratch study's GPT-2 baseline at seed 0 (cpu preset, `--set pretrain_set`), kept by bench_pretrain."""
-    import bench_pretrain
+    from ddl_lab.studies import bench_pretrain
 
     ns = bench_pretrain.parse_args(["--set", *pretrain_set] if pretrain_set else [])
     folder = bench_pretrain.cache_root(ns, bench_pretrain.resolve_preset(ns))
@@ -179,10 +179,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -200,9 +197,7 @@ def plot(results: dict, path: Path) -> None:
     ax.legend(fontsize=7)
     bx.set(xlabel="step", ylabel="mean β over training batches", title="β over fine-tuning")
     bx.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import REPO_ROOT, git_state, provenance, write_results
+from ddl_lab.common import REPO_ROOT, git_state, provenance, pyplot, save_figure, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: What a worker process runs (`python -m WORKER_MODULE ... --worker VARIANT SEED`); a study built on this one
@@ -354,6 +354,7 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
     import ddl_hf
+    from ddl_lab.builders import gpt2_dropout
 
     ids = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=None)
     if preset.arch == "gpt2":
@@ -362,9 +363,7 @@ def build_models(preset: Preset, vocab_size: int, variant: str, seed: int):
             n_embd=preset.n_embd,
             n_layer=preset.n_layer,
             n_head=preset.n_head,
-            resid_pdrop=preset.dropout,
-            embd_pdrop=preset.dropout,
-            attn_pdrop=preset.dropout,
+            **gpt2_dropout(preset.dropout),
             **ids,
         )
         baseline_class, baseline_config = GPT2LMHeadModel, GPT2Config(**shape)
@@ -632,20 +631,27 @@ def analyse(runs: dict[str, dict[int, dict]], stats: dict, arch: str = "gpt2") -
     return {"variants": table, "contrasts": contrasts, "data": stats}
 
 
-def fmt_ci(d: dict) -> str:
-    if d["n"] < 2:
-        return f"{d['mean']:+.4f} (n={d['n']})"
-    return f"{d['mean']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}]"
+def fmt_ci(d: dict, digits: int = 4) -> str:
+    """`mean [ci_low, ci_high]` of a difference (`paired_difference`, or a study's trend); the mean alone where there
+    is no interval, with `n` where the difference has one."""
+    mean = f"{d['mean']:+.{digits}f}"
+    if d.get("n", 2) < 2:
+        return f"{mean} (n={d['n']})"
+    if math.isnan(d["ci_low"]):
+        return mean
+    return f"{mean} [{d['ci_low']:+.{digits}f}, {d['ci_high']:+.{digits}f}]"
 
 
-def verdict(d: dict) -> str:
-    if d["n"] < 2 or math.isnan(d["ci_low"]):
+#: What `verdict` says where the interval lies below 0, above 0, or spans it.
+VERDICTS = ("better (CI below 0)", "worse (CI above 0)", "within noise (CI spans 0)")
+
+
+def verdict(d: dict, words: tuple[str, str, str] = VERDICTS) -> str:
+    """Where a difference's 95% interval lies, in `words` (below 0, above 0, spanning 0); "n too small" without one."""
+    if d.get("n", 2) < 2 or math.isnan(d["ci_low"]):
         return "n too small"
-    if d["ci_high"] < 0:
-        return "better (CI below 0)"
-    if d["ci_low"] > 0:
-        return "worse (CI above 0)"
-    return "within noise (CI spans 0)"
+    below, above, spans = words
+    return below if d["ci_high"] < 0 else above if d["ci_low"] > 0 else spans
 
 
 def markdown(results: dict) -> str:
@@ -737,10 +743,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -772,9 +775,7 @@ def plot(results: dict, runs: dict[str, dict[int, dict]], path: Path) -> None:
     bx.set_yticks(np.arange(len(names)), [rows[v]["label"] for v in names], fontsize=8)
     bx.set(xlabel=f"Δ validation loss vs {base} (95% CI)", title=f"Paired difference to {base}")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -930,7 +931,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pretrain_quick" if args.preset == "quick" else f"pretrain{'' if args.preset == 'cpu' else '_' + args.preset}"
     )
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     write_results(out, name, results, markdown(results))
     plot(results, runs, out / f"{name}.png")
     print(markdown(results))

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import provenance, study_parser, write_results
+from ddl_lab.common import provenance, pyplot, save_figure, study_parser, study_plan, write_results
 from ddl_lab.studies import bench_pretrain as bp
 from ddl_lab.studies import bench_pretrain_scaling as scaling
 
@@ -507,10 +507,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = results["analysis"]
     fig, axes = plt.subplots(len(sizes), 3, figsize=(18, 4.8 * len(sizes)), squeeze=False)
@@ -539,9 +536,7 @@ def plot(results: dict, path: Path) -> None:
         ax_lr.set_xscale("log")
         ax_lr.set(xlabel="learning rate", ylabel="final validation loss (selection seeds)", title="Selection")
         ax_lr.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -571,9 +566,7 @@ def train(plan: Plan, jobs: list[tuple[scaling.Cell, str, int]], cache_dir: str,
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    plan = PLANS["quick" if args.quick else "full"]
-    if args.workers is not None:
-        plan = dataclasses.replace(plan, workers=args.workers)
+    plan = study_plan(PLANS, args)
     if args.widths:
         plan = dataclasses.replace(plan, widths=tuple(args.widths))
     rows = ROWS + (TC_ROWS if args.tc else ())
@@ -628,7 +621,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     name = "pretrain_controls_quick" if args.quick else "pretrain_controls"
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = markdown(results)
     write_results(out, name, results, report)
     plot(results, out / f"{name}.png")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import atomic_write_text, provenance, study_parser, write_results
+from ddl_lab.common import atomic_write_text, provenance, pyplot, save_figure, study_parser, study_plan, write_results
 from ddl_lab.studies import bench_pretrain as bp
 from ddl_lab.studies import bench_pretrain_controls as controls
 from ddl_lab.studies import bench_pretrain_scaling as scaling
@@ -511,10 +511,7 @@ def contrast_label(name: str) -> str:
 
 def slope_verdict(d: dict) -> str:
     """bench_pretrain's reading of an interval, said of a slope."""
-    words = bp.verdict(d)
-    return {"better": "Δ falls with length", "worse": "Δ rises with length", "within": "no resolved trend"}.get(
-        words.split()[0], words
-    )
+    return bp.verdict(d, ("Δ falls with length", "Δ rises with length", "no resolved trend"))
 
 
 def mean_and_spread(stats: dict[str, float]) -> str:
@@ -695,10 +692,7 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
     """Δ against length per contrast (equal steps, equal compute) and every row's mean validation curve per length.
 
     `curves`: {length: {row: the comparison seeds' curves}}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = [s for s in results["analysis"]["lengths"] if s]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), layout="constrained")
@@ -746,8 +740,7 @@ def plot(results: dict, curves: dict[str, dict[str, list]], path: Path) -> None:
     ax.set(xlabel="tokens per parameter seen", ylabel="validation loss (curve set)", title="Curves at every length")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -758,8 +751,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    base = PLANS["quick" if args.quick else "full"]
-    plan = base if args.workers is None else dataclasses.replace(base, workers=args.workers)
+    plan = study_plan(PLANS, args)
     groups = [plan.rows] + ([] if args.no_extra else [plan.extra_rows])
     rows = tuple(r for g in groups for r in g)
     controls.register_variants()
@@ -812,7 +804,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "wall_seconds": time.time() - started,
             "analysis": analysis,
         }
-        out.mkdir(parents=True, exist_ok=True)
         text = markdown(results)
         write_results(out, name, results, text)
         plot(results, curves, out / f"{name}.png")

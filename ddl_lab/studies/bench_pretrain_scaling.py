@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddl_lab.common import provenance, study_parser, write_results
+from ddl_lab.common import provenance, pyplot, save_figure, study_parser, study_plan, write_results
 from ddl_lab.studies import bench_pretrain as bp
 
 RESULTS = bp.RESULTS
@@ -52,24 +52,19 @@ class Plan:
     workers: int = 2
 
 
+_FULL = Plan(
+    "cpu",
+    widths=(32, 80, 160),
+    seeds=(3, 3, 3),
+    sweep_lrs=(1.5e-3, 3e-3, 6e-3),
+    tokens_per_param=1.0,
+    min_steps=200,
+)
 PLANS = {
-    "full": Plan(
-        "cpu",
-        widths=(32, 80, 160),
-        seeds=(3, 3, 3),
-        sweep_lrs=(1.5e-3, 3e-3, 6e-3),
-        tokens_per_param=1.0,
-        min_steps=200,
-    ),
-    "quick": Plan(
-        "quick",
-        widths=(16, 24, 32),
-        seeds=(2, 2, 2),
-        sweep_lrs=(1.5e-3, 3e-3, 6e-3),
-        tokens_per_param=1.0,
-        min_steps=0,
-        fixed_steps=16,
-        workers=0,
+    "full": _FULL,
+    # The same pipeline on toy sizes, every size the same steps, in this process.
+    "quick": dataclasses.replace(
+        _FULL, base_preset="quick", widths=(16, 24, 32), seeds=(2, 2, 2), min_steps=0, fixed_steps=16, workers=0
     ),
 }
 
@@ -435,19 +430,11 @@ def markdown(results: dict) -> str:
 
 
 def trend_fmt(t: dict) -> str:
-    if math.isnan(t["ci_low"]):
-        return f"{t['mean']:+.3f}"
-    return f"{t['mean']:+.3f} [{t['ci_low']:+.3f}, {t['ci_high']:+.3f}]"
+    return bp.fmt_ci(t, digits=3)
 
 
 def trend_verdict(t: dict) -> str:
-    if math.isnan(t["ci_low"]):
-        return "n too small"
-    if t["ci_high"] < 0:
-        return "gains with size"
-    if t["ci_low"] > 0:
-        return "loses with size"
-    return "no resolved trend"
+    return bp.verdict(t, ("gains with size", "loses with size", "no resolved trend"))
 
 
 def studies_table(results: dict) -> str:
@@ -493,10 +480,7 @@ def update_studies(results: dict, path: Path = STUDIES) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     a = results["analysis"]
     sizes = [s for s in a["sizes"].values() if s["arch"] == "llama"]
@@ -538,9 +522,7 @@ def plot(results: dict, path: Path) -> None:
     )
     if sweep:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -556,9 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    plan = PLANS["quick" if args.quick else "full"]
-    if args.workers is not None:
-        plan = dataclasses.replace(plan, workers=args.workers)
+    plan = study_plan(PLANS, args)
     from ddl_hf.training import default_cache_dir
 
     cache_dir = args.cache_dir or str(default_cache_dir() / "pretrain")
@@ -617,7 +597,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     name = "pretrain_scaling_quick" if args.quick else "pretrain_scaling"
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = markdown(results)
     write_results(out, name, results, report)
     plot(results, out / f"{name}.png")
