@@ -170,7 +170,7 @@ from ddl_lab.checks import gpu_check, gpu_report
 from ddl_lab.common import train_step_fn
 device = torch.device("cpu")
 assert gpu_check.triton_unavailable(device) is None
-shape = dict(gpu_check.TINY["cost"], seq=16)
+shape = dict(gpu_check.TINY["shape"], seq=16)
 baseline = gpu_check.build_baseline("gpt2", shape)
 delta = gpu_check.build_delta("paper-dv4", baseline, "eager").train()
 delta.loss_type = "ForCausalLM"
