@@ -36,6 +36,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,8 +46,9 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
+from ddl_hf.delta_ops import delta_kernels
 from ddl_lab import builders
-from ddl_lab.checks.gpu_report import SECTIONS, TRITON_PAIR, markdown, metrics, summary
+from ddl_lab.checks.gpu_report import SECTIONS, TRITON_PAIR, markdown, metrics, progress_line, summary
 from ddl_lab.common import (
     cpu_model,
     generate_fn,
@@ -66,12 +68,8 @@ _COMMON = dict(delta_beta_init=0.5)  # a generic open gate: additive mode at bet
 VARIANTS = builders.GPU_VARIANTS
 #: The triton section's extra row: a DeltaNet DeltaGPT, whose "triton" also runs fla's delta rule (where installed).
 DELTA_NET_ROW = "delta-net"
-
-
-def family_of(variant: str) -> str:
-    """The baseline family of a variant (or of DELTA_NET_ROW, a DeltaGPT)."""
-    return "gpt2" if variant == DELTA_NET_ROW else VARIANTS[variant][0]
-
+#: The Delta models profiled beside their GPT-2 baseline: the cheapest and the expanded state.
+PROFILE_VARIANTS = ("additive-dv1", "paper-dv4")
 
 #: Compiled cost rows (kind, variant), in priority order: the budget guard drops the last first. TC decoding runs over
 #: DeltaStaticStateCache (a static cache refused by a model would be recorded as "not supported").
@@ -86,9 +84,9 @@ COMPILED_ROWS = (
     ("train", "paper-dv4-tc"),
 )
 
-# Shapes: GPT-2 small (124M); Llama of the same depth and width.
+# Shapes: GPT-2 small (124M); Llama of the same depth and width. Every key is also the cost section's.
 FULL = dict(
-    cost=dict(
+    shape=dict(
         n_layer=12, n_embd=768, n_head=12, vocab_size=50257, llama_vocab_size=32000, batch=8, seq=1024, prompt=32
     ),
     new_tokens=32,
@@ -97,14 +95,19 @@ FULL = dict(
     decode_pairs=3,
 )
 TINY = dict(
-    cost=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, llama_vocab_size=512, batch=4, seq=64, prompt=8),
+    FULL,
+    shape=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, llama_vocab_size=512, batch=4, seq=64, prompt=8),
     new_tokens=4,
-    decode_batches=(1, 32),
     train_pairs=2,
     decode_pairs=1,
 )
 
 # --- models ------------------------------------------------------------------------------------------------------
+
+
+def family_of(variant: str) -> str:
+    """The baseline family of a variant (or of DELTA_NET_ROW, a DeltaGPT)."""
+    return "gpt2" if variant == DELTA_NET_ROW else VARIANTS[variant][0]
 
 
 def build_baseline(family: str, shape: dict) -> PreTrainedModel:
@@ -121,36 +124,27 @@ def build_baseline(family: str, shape: dict) -> PreTrainedModel:
 
 
 def build_delta(variant: str, baseline: PreTrainedModel, implementation: str = "auto") -> PreTrainedModel:
-    """The variant over `baseline`'s config, on the CPU, holding every baseline weight (the Delta ones are extra, from
-    seed 1), running `implementation` (`delta_implementation`: "auto", the default, takes Triton's op on CUDA)."""
+    """The variant over `baseline`'s config, on the CPU, in eval mode, running `implementation` ("auto" takes Triton's
+    op on CUDA), holding every baseline weight (the Delta ones are extra, from seed 1); DELTA_NET_ROW: a DeltaNet
+    DeltaGPT of its shape, weights its own (its token mixer is not GPT-2's attention)."""
     torch.manual_seed(1)
-    return builders.delta_over(baseline, {**_COMMON, **VARIANTS[variant][1]}, implementation).eval()
-
-
-def delta_net(baseline: PreTrainedModel, implementation: str = "eager") -> PreTrainedModel:
-    """A DeltaNet DeltaGPT of `baseline`'s shape (its own weights: the token mixer is not GPT-2's attention)."""
+    if variant != DELTA_NET_ROW:
+        return builders.delta_over(baseline, {**_COMMON, **VARIANTS[variant][1]}, implementation).eval()
     fields = {k: v for k, v in baseline.config.to_dict().items() if k not in ("model_type", "transformers_version")}
-    torch.manual_seed(1)
     config = DeltaGPTConfig(**fields, **_COMMON, token_mixer="delta_net", delta_implementation=implementation)
-    return DeltaGPTForCausalLM(config)
+    return DeltaGPTForCausalLM(config).eval()
 
 
 def implementation_ran(model: PreTrainedModel, device: torch.device) -> str:
-    """What `model`'s `delta_implementation` runs for its Delta residuals on `device`: "triton" (the one op per
-    residual), "native" or "eager" (the tensor ops); "auto" as what it resolved to ("auto → triton")."""
-    from ddl_hf.delta_ops import delta_kernels
-
+    """What `model`'s `delta_implementation` (here "auto", "eager" or "triton") runs for its Delta residuals on
+    `device`: "triton" (the one op per residual) or "eager" (the tensor ops); "auto" as what it resolved to."""
     requested = model.config.delta_implementation
-    kernels = delta_kernels(requested, torch.empty(0, device=device))
-    ran = "triton" if kernels.residual is not None else "native" if kernels.residual_step is not None else "eager"
+    ran = "triton" if delta_kernels(requested, torch.empty(0, device=device)).residual is not None else "eager"
     return requested if ran == requested else f"{requested} → {ran}"
 
 
 def triton_unavailable(device: torch.device) -> str | None:
-    """Why `delta_implementation="triton"` cannot run on `device`'s tensors here (the library's own reason), or
-    None."""
-    from ddl_hf.delta_ops import delta_kernels
-
+    """Why `delta_implementation="triton"` cannot run on `device`'s tensors here (the library's reason), or None."""
     try:
         delta_kernels("triton", torch.empty(0, device=device))
     except (ImportError, RuntimeError) as error:  # DeltaImplementationUnavailable is a RuntimeError
@@ -173,8 +167,18 @@ def random_ids(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def free(device: torch.device) -> None:
-    """Give a finished row's GPU memory back (models hold reference cycles); on the CPU nothing to gain."""
+def warm(*steps: Callable[[], None]) -> None:
+    """Two untimed calls of each step: AdamW's state exists, compilation (torch.compile, Triton) is done."""
+    for step in steps:
+        step()
+        step()
+
+
+def finish(key: str, section: dict, row: dict, device: torch.device) -> None:
+    """Append a finished row to `section` (of `key`), print it, and give its GPU memory back (models hold reference
+    cycles; on the CPU nothing to gain)."""
+    section["rows"].append(row)
+    print(progress_line(key, row), flush=True)
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
@@ -196,119 +200,91 @@ def guarded(fn: Callable[[], dict]) -> dict:
 
 
 class CostRunner:
-    """The models every section times: each family's baseline (with its optimizer, compiled form and A/A floors),
-    built once and held across the rows, and the Delta models over it; `train` and `decode` measure one cost row."""
+    """The models every section times: each family's baseline (with its optimizer, token ids, compiled form) and its
+    A/A floors, built once and held across the rows, and the Delta models over it; `train`, `decode`: one cost row."""
 
-    def __init__(self, plan: dict, device: torch.device, backend: str):
+    def __init__(self, plan: dict, device: torch.device, backend: str = "eager"):
         self.plan, self.device, self.backend = plan, device, backend
-        self.shape = plan["cost"]
+        self.shape = plan["shape"]
+        self.tokens = self.shape["batch"] * self.shape["seq"]  # of a training step
         self.baselines: dict[str, dict] = {}
+        self.floors: dict[str, dict] = {}  # by family, by metric: the baseline timed against itself (A/A)
 
     def baseline(self, family: str) -> dict:
         if family not in self.baselines:
             model = build_baseline(family, self.shape).to(self.device)
             model.loss_type = "ForCausalLM"  # transformers resolves the loss through a property that logs otherwise
+            ids = random_ids(model.config.vocab_size, self.shape["batch"], self.shape["seq"], seed=4).to(self.device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            self.baselines[family] = {"model": model, "optimizer": optimizer, "floors": {}, "compiled": None}
+            self.baselines[family] = dict(model=model, optimizer=optimizer, ids=ids, compiled=None, launches=None)
+            self.floors[family] = {}
         return self.baselines[family]
 
     def delta(self, variant: str, implementation: str = "auto") -> PreTrainedModel:
         """`variant` (or DELTA_NET_ROW) over its family's baseline, on the device, running `implementation`."""
-        baseline = self.baseline(family_of(variant))["model"]
-        if variant == DELTA_NET_ROW:
-            model = delta_net(baseline, implementation)
-        else:
-            model = build_delta(variant, baseline, implementation)
-        model = model.to(self.device)
+        model = build_delta(variant, self.baseline(family_of(variant))["model"], implementation).to(self.device)
         model.loss_type = "ForCausalLM"
         return model
 
-    def ids(self, vocab: int) -> torch.Tensor:
-        return random_ids(vocab, self.shape["batch"], self.shape["seq"], seed=4).to(self.device)
-
-    def floor(self, family: str, metric: str, measure: Callable[[], dict]) -> dict:
-        floors = self.baselines[family]["floors"]
-        if metric not in floors:
-            floors[metric] = measure()
-        return floors[metric]
-
-    def floors(self) -> dict:
-        """Each family's A/A floors so far, by metric."""
-        return {family: dict(base["floors"]) for family, base in self.baselines.items()}
-
-    def against_baseline(
-        self, family: str, metric: str, run_a: Callable, run_b: Callable, pairs: int, tokens: int, warmup: int = 0
-    ) -> dict:
-        """`run_b` timed against the baseline's `run_a` in interleaved pairs (`throughput`), beside the A/A floor of
-        `metric`: `run_a` timed against itself, once per family."""
-
-        def timing(run: Callable) -> dict:
-            return interleaved(run_a, run, pairs, warmup, self.device)
-
-        floor = self.floor(family, metric, lambda: timing(run_a))
-        return throughput(timing(run_b), floor, tokens)
-
-    def train(self, variant: str, compiled: bool) -> dict:
-        family = VARIANTS[variant][0]
+    def steps(self, family: str, delta: PreTrainedModel, compiled: bool = False) -> tuple[Callable, Callable, object]:
+        """The bf16 training steps of the baseline (its AdamW held across rows) and of `delta` (a new AdamW, returned
+        third) on the family's token ids; `compiled`: of their torch.compile'd forms (the baseline's compiled once)."""
         base = self.baseline(family)
-        delta = self.delta(variant)
         models = [base["model"], delta]
         if compiled:
             if base["compiled"] is None:
                 base["compiled"] = torch.compile(base["model"], fullgraph=True, dynamic=False, backend=self.backend)
-            callables = [base["compiled"], torch.compile(delta, fullgraph=True, dynamic=False, backend=self.backend)]
-        else:
-            callables = models
-        ids = self.ids(base["model"].config.vocab_size)
-        optimizer = torch.optim.AdamW(delta.parameters(), lr=1e-4)
-        step_a, _ = train_step_fn(callables[0], ids, base["optimizer"], autocast=torch.bfloat16)
-        step_b, _ = train_step_fn(callables[1], ids, optimizer, autocast=torch.bfloat16)
-        kind = "compiled" if compiled else "eager"
-        for step in (step_a, step_b):  # compiles (when compiled) and creates the AdamW state: not timed
-            step()
-            step()
+            models = [base["compiled"], torch.compile(delta, fullgraph=True, dynamic=False, backend=self.backend)]
+        step_a, _ = train_step_fn(models[0], base["ids"], base["optimizer"], autocast=torch.bfloat16)
+        step_b, optimizer = train_step_fn(models[1], base["ids"], autocast=torch.bfloat16)
+        return step_a, step_b, optimizer
 
-        def aa_memory() -> dict:
-            first = peak_step_memory(step_a, base["model"], base["optimizer"])
-            second = peak_step_memory(step_a, base["model"], base["optimizer"])
-            return {
-                "baseline_bytes": first["bytes"],
-                "delta_bytes": second["bytes"],
-                "ratio": second["bytes"] / first["bytes"],
-                "baseline_allocator": {k: v for k, v in first.items() if k != "bytes"},
-            }
+    def floor(self, family: str, metric: str, measure: Callable[[], dict]) -> dict:
+        floors = self.floors[family]
+        if metric not in floors:
+            floors[metric] = measure()
+        return floors[metric]
 
-        timing = self.against_baseline(family, f"train_{kind}", step_a, step_b, self.plan["train_pairs"], ids.numel())
-        floor_memory = self.floor(family, f"memory_{kind}", aa_memory)
-        memory_a = floor_memory["baseline_bytes"]  # the baseline's step does not change between rows
-        memory_b = peak_step_memory(step_b, delta, optimizer)
-        for model in models:
-            model.eval()
+    def against_baseline(self, family: str, metric: str, run_a: Callable, run_b: Callable, batch: int = 0) -> dict:
+        """`run_b` timed against the baseline's `run_a` in interleaved pairs (`throughput`), beside the A/A floor of
+        `metric` (`run_a` against itself, once per family): warmed training steps, or with `batch` decoding calls of
+        that batch size (a warm-up pair first)."""
+        pairs, tokens, warmup = self.plan["train_pairs"], self.tokens, 0
+        if batch:
+            pairs, tokens, warmup = self.plan["decode_pairs"], batch * self.plan["new_tokens"], 1
+        floor = self.floor(family, metric, lambda: interleaved(run_a, run_a, pairs, warmup, self.device))
+        return throughput(interleaved(run_a, run_b, pairs, warmup, self.device), floor, tokens)
+
+    def train(self, variant: str, compiled: bool) -> dict:
+        family, kind = family_of(variant), "compiled" if compiled else "eager"
+        base, delta = self.baseline(family), self.delta(variant)
+        step_a, step_b, optimizer = self.steps(family, delta, compiled)
+        warm(step_a, step_b)
+
+        def aa_memory() -> dict:  # the baseline's step against itself; its reading serves every row of the family
+            a, b = (peak_step_memory(step_a, base["model"], base["optimizer"]) for _ in range(2))
+            return {**memory_ratio(a["bytes"], b), "baseline_allocator": allocator(a)}
+
+        timing = self.against_baseline(family, f"train_{kind}", step_a, step_b)
+        floor = self.floor(family, f"memory_{kind}", aa_memory)
+        reading = peak_step_memory(step_b, delta, optimizer)
+        memory = {**memory_ratio(floor["baseline_bytes"], reading), "aa_floor": aa_summary(floor)}
+        memory.update(baseline_allocator=floor["baseline_allocator"], delta_allocator=allocator(reading))
         return {
             "implementation": implementation_ran(delta, self.device),
             f"train_{kind}": timing,
-            f"peak_train_memory_{kind}": {
-                "baseline_bytes": memory_a,
-                "delta_bytes": memory_b["bytes"],
-                "ratio": memory_b["bytes"] / memory_a,
-                "aa_floor": aa_summary(floor_memory),
-                "baseline_allocator": floor_memory["baseline_allocator"],
-                "delta_allocator": {k: v for k, v in memory_b.items() if k != "bytes"},
-            },
+            f"peak_train_memory_{kind}": memory,
         }
 
     def decode(self, variant: str, compiled: bool) -> dict:
-        family = VARIANTS[variant][0]
-        baseline = self.baseline(family)["model"].eval()
-        delta = self.delta(variant).eval()
-        kind = "compiled" if compiled else "eager"
-        n = self.plan["new_tokens"]
+        family, kind = family_of(variant), "compiled" if compiled else "eager"
+        baseline, delta = self.baseline(family)["model"].eval(), self.delta(variant)
         record = {"implementation": implementation_ran(delta, self.device)}
         for batch in self.plan["decode_batches"]:
             prompt = random_ids(baseline.config.vocab_size, batch, self.shape["prompt"], seed=5).to(self.device)
             # dynamic=False: one static graph per batch size. With automatic dynamic shapes, the second batch size (or
             # the next model through transformers' shared forward wrapper) recompiles mid-timing into a dynamic graph.
-            options = dict(backend=self.backend, dynamic=False)
+            n, options = self.plan["new_tokens"], dict(backend=self.backend, dynamic=False)
             run_a, run_b = (generate_fn(m, prompt, n, compiled, **options) for m in (baseline, delta))
             metric = f"decode_b{batch}_{kind}"
             try:
@@ -318,9 +294,18 @@ class CostRunner:
                     raise
                 record[metric] = {"status": "not supported", "reason": str(error)[:500]}
                 continue
-            pairs = self.plan["decode_pairs"]
-            record[metric] = self.against_baseline(family, metric, run_a, run_b, pairs, batch * n, warmup=1)
+            record[metric] = self.against_baseline(family, metric, run_a, run_b, batch)
         return record
+
+
+def allocator(reading: dict) -> dict:
+    """The CUDA allocator's own readings of a `peak_step_memory` record (none on the CPU)."""
+    return {k: v for k, v in reading.items() if k != "bytes"}
+
+
+def memory_ratio(baseline: int, delta: dict) -> dict:
+    """The baseline's peak bytes beside the Delta model's (a `peak_step_memory` record), and their ratio."""
+    return {"baseline_bytes": baseline, "delta_bytes": delta["bytes"], "ratio": delta["bytes"] / baseline}
 
 
 def aa_summary(floor: dict) -> dict:
@@ -336,12 +321,6 @@ def throughput(timing: dict, floor: dict, tokens: int) -> dict:
         **timing,
         "aa_floor": aa_summary(floor),
     }
-
-
-def cost_plan(variants: list[str], compiled_variants: list[str]) -> list[tuple[str, str, bool]]:
-    """(kind, variant, compiled), in the order they run: what the budget guard drops goes last."""
-    rows = [("train", v, False) for v in variants] + [("decode", v, False) for v in variants]
-    return rows + [(kind, v, True) for kind, v in COMPILED_ROWS if v in compiled_variants]
 
 
 #: Expected seconds of a row on the GPU before one of its kind has measured (then: the last such row's time).
@@ -361,65 +340,32 @@ def cost_section(
     """`selection`: (variants, compiled variants). Rows that would start after `budget_s` seconds from `start`, or
     that are expected to end more than GRACE_S after it, are skipped and recorded as such."""
     runner = CostRunner(plan, device, backend)
-    section: dict = {
-        "shape": plan["cost"],
-        "new_tokens": plan["new_tokens"],
-        "decode_batches": list(plan["decode_batches"]),
-        "train_pairs": plan["train_pairs"],
-        "decode_pairs": plan["decode_pairs"],
-        "compile_backend": backend,
-        "budget_s": budget_s,
-        "rows": [],
-    }
-    last: dict[tuple[str, bool], float] = {}
+    variants, compiled_variants = selection  # eager rows first, then the compiled: what the budget guard drops last
+    jobs = [(kind, v, False) for kind in ("train", "decode") for v in variants]
+    jobs += [(kind, v, True) for kind, v in COMPILED_ROWS if v in compiled_variants]
+    section: dict = {**plan, "compile_backend": backend, "budget_s": budget_s, "rows": [], "floors": runner.floors}
+    last: dict[tuple[str, bool], float] = {}  # seconds of the last measured row of each kind: the next one's estimate
     # Every Delta variant is a new graph of the same forwards: room for all of them (the default stops at 8).
-    dynamo_config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    with dynamo_config.patch({limit: max(getattr(dynamo_config, limit), 64)}):
-        for kind, variant, compiled in cost_plan(*selection):
-            _cost_row(runner, section, last, (kind, variant, compiled), start, budget_s)
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
+        for kind, variant, compiled in jobs:
+            elapsed = time.perf_counter() - start
+            expected = last.get((kind, compiled), FIRST_ROW_ESTIMATE_S[kind, compiled] if device.type == "cuda" else 0)
+            row: dict = {"kind": kind, "variant": variant, "family": family_of(variant), "compiled": compiled}
+            if elapsed >= budget_s or elapsed + expected > budget_s + GRACE_S:
+                spent = f"{elapsed:.0f} s spent, about {expected:.0f} s more expected, budget {budget_s:.0f} s"
+                row.update(status="skipped", reason=f"time budget: {spent}")
+            else:
+                row.update(guarded(partial(getattr(runner, kind), variant, compiled)))  # runner.train or .decode
+                row.setdefault("status", "ok")
+                if any("ratio" in m for m in metrics(row).values()):  # a refusal says nothing about the next row's time
+                    last[kind, compiled] = row["wall_s"]
+            finish("cost", section, row, device)
             save()
     return section
 
 
-def _cost_row(
-    runner: CostRunner, section: dict, last: dict, job: tuple[str, str, bool], start: float, budget_s: float
-) -> None:
-    """One cost row, or its skip when past the budget, appended to `section`; `last`: seconds of the last measured
-    row of each kind, the estimate for the next."""
-    kind, variant, compiled = job
-    device = runner.device
-    elapsed = time.perf_counter() - start
-    expected = last.get((kind, compiled), FIRST_ROW_ESTIMATE_S[kind, compiled] if device.type == "cuda" else 0)
-    row: dict = {"kind": kind, "variant": variant, "family": VARIANTS[variant][0], "compiled": compiled}
-    if elapsed >= budget_s or elapsed + expected > budget_s + GRACE_S:
-        reason = f"time budget: {elapsed:.0f} s spent, about {expected:.0f} s more expected, budget {budget_s:.0f} s"
-        row.update(status="skipped", reason=reason)
-    else:
-        measure = runner.train if kind == "train" else runner.decode
-        row.update(guarded(lambda: measure(variant, compiled)))
-        row.setdefault("status", "ok")
-        if any("ratio" in m for m in metrics(row).values()):  # a refusal says nothing about the next row's time
-            last[kind, compiled] = row["wall_s"]
-    section["rows"].append(row)
-    section["floors"] = runner.floors()
-    free(device)
-    print(
-        f"cost        {kind:6s} {'compiled' if compiled else 'eager':8s} {variant:20s} {_cost_line(row)}",
-        flush=True,
-    )
-
-
-def _cost_line(row: dict) -> str:
-    if row["status"] != "ok":
-        return f"{row['status']}: {row.get('reason') or row.get('error')}"
-    return " ".join(f"{k} {v['ratio']:.3f}" if "ratio" in v else f"{k} {v['status']}" for k, v in metrics(row).items())
-
-
 # --- profile: where a training step's time goes -------------------------------------------------------------------
 
-#: The Delta models profiled beside their GPT-2 baseline: the cheapest and the expanded state.
-PROFILE_VARIANTS = ("additive-dv1", "paper-dv4")
 #: Kernel classes, by name: attention's kernels and the GEMM libraries' (cuBLAS, CUTLASS, cuBLASLt's nvjet). Every
 #: other kernel (elementwise, reductions, copies, the optimizer) is "other": what the Delta residual adds lands there.
 KERNEL_CLASSES = (  # in order: attention's kernels may be CUTLASS ones (fmha_cutlassF...)
@@ -429,8 +375,6 @@ KERNEL_CLASSES = (  # in order: attention's kernels may be CUTLASS ones (fmha_cu
         re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|splitk|^aten::(mm|addmm|bmm|baddbmm)$", re.IGNORECASE),
     ),
 )
-
-
 #: aten operators that change metadata or allocate and launch no kernel: left out of the CPU's stand-in count.
 NO_KERNEL = frozenset(
     f"aten::{op}"
@@ -440,14 +384,12 @@ NO_KERNEL = frozenset(
         *("empty_strided", "resize_", "lift_fresh", "set_", "is_nonzero"),
     ]
 )
+#: The Triton op of a whole Delta residual (`ddl_hf.triton_delta`), as the profiler names its calls.
+TRITON_OP = "ddl_hf::delta_residual"
 
 
 def kernel_class(name: str) -> str:
     return next((label for label, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
-
-
-#: The Triton op of a whole Delta residual (`ddl_hf.triton_delta`), as the profiler names its calls.
-TRITON_OP = "ddl_hf::delta_residual"
 
 
 def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
@@ -470,104 +412,81 @@ def step_kernels(step: Callable[[], None], device: torch.device) -> dict:
             and (kernel_class(e.name) != "other" or not any(c.name.startswith("aten::") for c in e.cpu_children))
         ]
     by_class = {label: {"kernels": 0, "ms": 0.0} for label in ("matmul", "attention", "other")}
-    other: dict[str, list[float]] = {}
+    other: dict[str, dict] = {}  # by kernel name
     for name, us in kernels:
         label = kernel_class(name)
-        by_class[label]["kernels"] += 1
-        by_class[label]["ms"] += us / 1e3
+        tallies = [by_class[label]]
         if label == "other":
-            entry = other.setdefault(name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += us / 1e3
-    top = sorted(other.items(), key=lambda item: -item[1][1])[:10]
+            tallies.append(other.setdefault(name, {"name": name[:120], "kernels": 0, "ms": 0.0}))
+        for tally in tallies:
+            tally["kernels"] += 1
+            tally["ms"] += us / 1e3
     return {
         "triton_op_calls": sum(e.name == TRITON_OP for e in prof.events()),
         "kernels": len(kernels),
         "busy_ms": sum(us for _, us in kernels) / 1e3,
         "by_class": by_class,
-        "top_other": [{"name": name[:120], "kernels": n, "ms": ms} for name, (n, ms) in top],
+        "top_other": sorted(other.values(), key=lambda tally: -tally["ms"])[:10],
     }
 
 
+def profile_row(runner: CostRunner, name: str) -> dict:
+    """GPT-2 ("gpt2") or a Delta variant over it (`delta_implementation="auto"`, and what it ran): one eager bf16
+    training step's wall time (median of 3, no profiler), then the device's busy time and launches in one profiled."""
+    base = runner.baseline("gpt2")
+    model = base["model"] if name == "gpt2" else runner.delta(name)
+    step, _ = train_step_fn(model, base["ids"], autocast=torch.bfloat16)
+    warm(step)
+    walls = [timed(step, runner.device)[1] for _ in range(3)]
+    implementation = "-" if name == "gpt2" else implementation_ran(model, runner.device)
+    wall_ms = statistics.median(walls) * 1e3
+    return {"model": name, "implementation": implementation, "wall_ms": wall_ms, **step_kernels(step, runner.device)}
+
+
 def profile_section(plan: dict, device: torch.device) -> dict:
-    """GPT-2 and each Delta variant of PROFILE_VARIANTS (`delta_implementation="auto"`: Triton's op on CUDA; each row
-    says what ran) at the cost shape: one eager bf16 training step's wall time (median of 3, no profiler) beside the
-    device's busy time and kernel launches from one profiled step. Busy well below wall: the host's dispatch sets the
-    pace (more launches cost time even when each is short); busy near wall: the kernels do, and "other" says how much
-    of them is not matmul or attention. The triton section profiles "eager" beside "triton"."""
-    runner = CostRunner(plan, device, backend="eager")  # eager steps only: its baseline GPT-2 and token ids
-    baseline = runner.baseline("gpt2")["model"]
-    ids = runner.ids(baseline.config.vocab_size)
-    rows = []
+    """GPT-2 and each of PROFILE_VARIANTS at the cost shape (`profile_row`). Busy near wall: the kernels set the pace,
+    and "other" says how much of them is not matmul or attention; well below: the host's dispatch does."""
+    runner = CostRunner(plan, device)  # eager steps only: its baseline GPT-2 and token ids
+    section: dict = {"shape": plan["shape"], "tokens": runner.tokens, "rows": []}
     for name in ("gpt2", *PROFILE_VARIANTS):
-        model = baseline if name == "gpt2" else runner.delta(name)
-        step, _ = train_step_fn(model, ids, autocast=torch.bfloat16)
-        step()
-        step()  # AdamW's state exists; caches are warm
-        walls = [timed(step, device)[1] for _ in range(3)]
-        record = {"model": name, "implementation": "-" if model is baseline else implementation_ran(model, device)}
-        record.update(wall_ms=statistics.median(walls) * 1e3, **step_kernels(step, device))
-        rows.append(record)
-        print(
-            f"profile     {name:20s} {record['implementation']:16s} wall {record['wall_ms']:.1f} ms, busy "
-            f"{record['busy_ms']:.1f} ms, {record['kernels']} kernels",
-            flush=True,
-        )
-        model.eval()
-        if model is not baseline:
-            del model, step
-            free(device)
-    return {"shape": plan["cost"], "tokens": ids.numel(), "rows": rows}
+        finish("profile", section, profile_row(runner, name), device)
+    return section
 
 
 # --- triton: the Delta residual as one Triton op against the tensor ops (ddl_hf.triton_delta) -------------------
 
-#: The two implementations the section compares: the tensor ops, and one Triton op per Delta residual.
 
-
-def triton_row(runner: CostRunner, variant: str, implementation: str, launches: dict) -> dict:
+def triton_row(runner: CostRunner, variant: str, implementation: str) -> dict:
     """One variant (or DELTA_NET_ROW): its eager training step with "eager" and with `implementation` (one model, the
     same AdamW) each against the baseline's (its A/A floor is the cost section's, `CostRunner.floor`), then the
-    launches of one profiled step of each. `launches`: each family's baseline launches, profiled once."""
-    family = family_of(variant)
-    device = runner.device
-    base = runner.baseline(family)
-    baseline = base["model"]
-    delta = runner.delta(variant, "eager")
-    ids = runner.ids(baseline.config.vocab_size)
-    row: dict = {
-        "variant": variant,
-        "family": family,
-        "implementations": dict(zip(TRITON_PAIR, ("eager", implementation))),
-    }
+    launches of one profiled step of each."""
+    family, device = family_of(variant), runner.device
+    implementations = dict(zip(TRITON_PAIR, ("eager", implementation)))
+    row: dict = {"variant": variant, "family": family, "implementations": implementations}
     if variant == DELTA_NET_ROW:
         from ddl_hf.fla_kernels import fla_available
 
         row["fla"] = implementation == "triton" and device.type == "cuda" and fla_available()
-    delta_step, _ = train_step_fn(delta, ids, autocast=torch.bfloat16)
-    steps = {"eager": running(delta, "eager", delta_step), "triton": running(delta, implementation, delta_step)}
-    base_step, _ = train_step_fn(baseline, ids, base["optimizer"], autocast=torch.bfloat16)
-    for step in (base_step, *steps.values()):  # AdamW's state, Triton's compilation: not timed
-        step()
-        step()
-    pairs = runner.plan["train_pairs"]
+    delta = runner.delta(variant, "eager")
+    base_step, delta_step, _ = runner.steps(family, delta)
+    steps = {name: running(delta, ran, delta_step) for name, ran in implementations.items()}
+    warm(base_step, *steps.values())
     for name, step in steps.items():
-        row[f"train_{name}"] = runner.against_baseline(family, "train_eager", base_step, step, pairs, ids.numel())
+        row[f"train_{name}"] = runner.against_baseline(family, "train_eager", base_step, step)
     row["triton_vs_eager"] = row["train_triton"]["delta_s"] / row["train_eager"]["delta_s"]
-    if family not in launches:
-        launches[family] = step_kernels(base_step, device)
-    row["launches"] = {"baseline": launches[family], **{name: step_kernels(s, device) for name, s in steps.items()}}
-    baseline.eval()
+    base = runner.baseline(family)
+    if base["launches"] is None:  # the baseline's, profiled once
+        base["launches"] = step_kernels(base_step, device)
+    row["launches"] = {"baseline": base["launches"], **{name: step_kernels(s, device) for name, s in steps.items()}}
     return row
 
 
 def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dict:
     """`delta_implementation="triton"` against `"eager"` for each of `variants` and DELTA_NET_ROW at the cost shape
-    (`triton_row`). Where Triton cannot run on `device`'s tensors (the CPU without Triton's interpreter), "eager"
-    stands in for it: the section's code runs, the rows say what ran, and no number is Triton's."""
+    (`triton_row`); where Triton cannot run on `device`'s tensors, "eager" stands in, and the section's note says so."""
     problem = triton_unavailable(device)
     implementation = "eager" if problem else "triton"
-    section: dict = {"shape": plan["cost"], "train_pairs": plan["train_pairs"], "triton_ran": not problem, "rows": []}
+    section: dict = {"shape": plan["shape"], "train_pairs": plan["train_pairs"], "triton_ran": not problem, "rows": []}
     if problem:
         section["note"] = (
             f'Triton cannot run here: {problem.rstrip(".")}. "eager" stands in for "triton": this exercises the'
@@ -575,26 +494,13 @@ def triton_section(plan: dict, device: torch.device, variants: list[str]) -> dic
         )
     elif device.type != "cuda":
         section["note"] = f"Triton's interpreter on {device.type} tensors: its times and launches do not hold"
-    runner = CostRunner(plan, device, backend="eager")  # eager steps only: its baselines and A/A floors
-    launches: dict = {}
+    runner = CostRunner(plan, device)  # eager steps only: its baselines and A/A floors
+    section["floors"] = runner.floors
     for variant in [*variants, DELTA_NET_ROW]:
-        row = guarded(lambda variant=variant: triton_row(runner, variant, implementation, launches))
+        row = guarded(partial(triton_row, runner, variant, implementation))
         row.setdefault("variant", variant)
-        section["rows"].append(row)
-        section["floors"] = runner.floors()
-        free(device)
-        print(f"triton      {variant:20s} {_triton_line(row)}", flush=True)
+        finish("triton", section, row, device)
     return section
-
-
-def _triton_line(row: dict) -> str:
-    if "train_triton" not in row:
-        return f"{row.get('status')}: {row.get('error')}"
-    counts = row["launches"]
-    return (
-        f"eager {row['train_eager']['ratio']:.3f} triton {row['train_triton']['ratio']:.3f} (of the baseline), "
-        f"launches {counts['eager']['kernels']} -> {counts['triton']['kernels']}"
-    )
 
 
 #: Sections that ran here once and are tests now (tests/gpu): `--sections` names them and says where they went.
@@ -608,12 +514,8 @@ def device_info(device: torch.device) -> dict:
     info: dict = {"device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(
-            name=props.name,
-            capability=f"{props.major}.{props.minor}",
-            memory_gib=round(props.total_memory / 2**30, 1),
-            cuda=torch.version.cuda,
-        )
+        gib = round(props.total_memory / 2**30, 1)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}", memory_gib=gib, cuda=torch.version.cuda)
     else:
         info["name"] = cpu_model()
     packages = {}
@@ -666,12 +568,12 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     plan = TINY if args.tiny else FULL
     backend = args.compile_backend or ("aot_eager" if args.tiny and device.type == "cpu" else "inductor")
-    compiled = args.compiled_variants
-    compiled = [v for _, v in COMPILED_ROWS if v in args.variants] if compiled is None else compiled
+    compiled = (
+        args.variants if args.compiled_variants is None else args.compiled_variants
+    )  # cost_section picks the rows
 
     prov = provenance(None if argv is None else [__file__, *argv])
-    results: dict = {"provenance": prov, "device": device_info(device)}
-    results["tiny"] = args.tiny
+    results: dict = {"provenance": prov, "device": device_info(device), "tiny": args.tiny}
     results["variants"] = {name: {"family": f, **_COMMON, **fields} for name, (f, fields) in VARIANTS.items()}
 
     def save() -> None:

@@ -47,6 +47,25 @@ def _why(record: dict) -> dict:
     return {k: record[k] for k in ("error", "reason") if k in record}
 
 
+def progress_line(key: str, row: dict) -> str:
+    """A finished row of section `key` as the check prints it: what it is, then its figures or why it has none."""
+    if key == "profile":
+        figures = f"wall {row['wall_ms']:.1f} ms, busy {row['busy_ms']:.1f} ms, {row['kernels']} kernels"
+        return f"profile     {row['model']:20s} {row['implementation']:16s} {figures}"
+    if key == "triton":
+        head = f"triton      {row['variant']:20s}"
+    else:
+        head = f"cost        {row['kind']:6s} {'compiled' if row['compiled'] else 'eager':8s} {row['variant']:20s}"
+    if row.get("status", "ok") != "ok":
+        return f"{head} {row['status']}: {row.get('reason') or row.get('error')}"
+    if key == "cost":
+        figures = (f"{k} {v['ratio']:.3f}" if "ratio" in v else f"{k} {v['status']}" for k, v in metrics(row).items())
+        return " ".join([head, *figures])
+    eager, triton = (row[f"train_{name}"]["ratio"] for name in TRITON_PAIR)
+    launches = " -> ".join(str(row["launches"][name]["kernels"]) for name in TRITON_PAIR)
+    return f"{head} eager {eager:.3f} triton {triton:.3f} (of the baseline), launches {launches}"
+
+
 def _ratio_cell(record: dict | None) -> str:
     if not record:
         return "-"

@@ -170,7 +170,7 @@ from ddl_lab.checks import gpu_check, gpu_report
 from ddl_lab.common import train_step_fn
 device = torch.device("cpu")
 assert gpu_check.triton_unavailable(device) is None
-shape = dict(gpu_check.TINY["cost"], seq=16)
+shape = dict(gpu_check.TINY["shape"], seq=16)
 baseline = gpu_check.build_baseline("gpt2", shape)
 delta = gpu_check.build_delta("paper-dv4", baseline, "eager").train()
 delta.loss_type = "ForCausalLM"
@@ -205,3 +205,18 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
     assert [f["section"] for f in results["summary"]["failures"]] == ["profile"]
     written = json.loads((tmp_path / "gpu_check.json").read_text())
     assert written["profile"]["status"] == "error" and "triton" in written
+
+
+def test_each_rows_printed_line_says_why_it_has_no_figures():
+    """The line printed as a row finishes (outside the row's guard: it must not raise on any row a run can make)."""
+    failed = {"variant": "paper-dv4", "status": "error", "error": "RuntimeError: boom", "wall_s": 1.0}
+    assert gpu_report.progress_line("triton", failed).endswith(" paper-dv4            error: RuntimeError: boom")
+    skipped = {"kind": "train", "variant": "paper-dv4", "compiled": True, "status": "skipped", "reason": "time budget"}
+    assert (
+        gpu_report.progress_line("cost", skipped)
+        == "cost        train  compiled paper-dv4            skipped: time budget"
+    )
+    refused = {"kind": "decode", "variant": "paper-dv4-tc", "compiled": True, "status": "ok", "implementation": "auto"}
+    refused.update(decode_b1_compiled={"status": "not supported", "reason": "..."}, decode_b32_compiled={"ratio": 1.25})
+    line = gpu_report.progress_line("cost", refused)
+    assert line.endswith("paper-dv4-tc         decode_b1_compiled not supported decode_b32_compiled 1.250"), line
