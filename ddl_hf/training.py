@@ -3,7 +3,8 @@
 - `DeltaTrainer`: a `transformers.Trainer` that can give the Delta parameters their own learning rate (the gates
   start exactly closed, so with the base model's small fine-tuning learning rate they barely move).
 - `base_gpt2`: the base GPT-2 of the demo: a Hub id / directory when given, else a small GPT-2 pretrained here on
-  the bundled public-domain corpus and cached, so that everything works offline.
+  the bundled public-domain corpus and cached, so that everything works offline; `random_gpt2`, the freshly
+  initialised GPT-2 that pretraining (and a quick tiny run) starts from.
 - `finetune`: one causal-LM fine-tuning run with eval perplexity before and after.
 """
 
@@ -220,22 +221,32 @@ def pretrain_small_gpt2(
         return _pretrain_small_gpt2(spec, output_dir, tokenizer)
 
 
+def random_gpt2(tokenizer: PreTrainedTokenizerBase | None = None, seed: int = 0, **config: Any) -> GPT2LMHeadModel:
+    """A GPT-2 initialised from `seed` for `tokenizer` (default: GPT-2's own): its vocabulary size, BOS and EOS.
+
+    `config`: any other `GPT2Config` fields (sizes, dropout). The loss accounting is set as in `base_gpt2`.
+    """
+    tokenizer = tokenizer or gpt2_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **config
+    )
+    torch.manual_seed(seed)
+    return use_causal_lm_loss_accounting(GPT2LMHeadModel(config))
+
+
 def _pretrain_small_gpt2(
     spec: BaseSpec, output_dir: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | None
 ) -> GPT2LMHeadModel:
     tokenizer = tokenizer or gpt2_tokenizer()
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
+    model = random_gpt2(
+        tokenizer,
+        spec.seed,
         n_layer=spec.n_layer,
         n_embd=spec.n_embd,
         n_head=spec.n_head,
         n_positions=spec.n_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         **spec.extra,
     )
-    torch.manual_seed(spec.seed)
-    model = use_causal_lm_loss_accounting(GPT2LMHeadModel(config))
     blocks = tokenize_and_chunk(
         load_text(spec.corpus), tokenizer, spec.block_size, max_blocks=spec.steps * spec.batch_size
     )
@@ -397,6 +408,7 @@ __all__ = [
     "finetune",
     "preserved_rng",
     "pretrain_small_gpt2",
+    "random_gpt2",
     "training_arguments",
     "use_causal_lm_loss_accounting",
 ]

@@ -30,7 +30,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BitsAndBytesConfig,
-    GPT2Config,
     GPT2LMHeadModel,
     PreTrainedModel,
     Trainer,
@@ -41,7 +40,7 @@ from transformers import (
 import ddl_hf
 from ddl_hf.corpus import gpt2_tokenizer, lm_datasets
 from ddl_hf.peft_targets import DELTA_NET_ATTENTION_TARGETS, LLAMA_PROJECTION_SUBLAYERS
-from ddl_hf.training import add_base_arguments, base_gpt2, training_arguments
+from ddl_hf.training import add_base_arguments, base_gpt2, random_gpt2, training_arguments
 
 DELTA_MODULES = ["attn_delta", "mlp_delta"]  # every Delta residual of both families
 
@@ -74,18 +73,7 @@ def tiny_gpt2(seed: int) -> GPT2LMHeadModel:
     """A random 2-layer GPT-2 of width 64 with GPT-2's vocabulary. bitsandbytes' 4-bit CPU kernel for AVX512-BF16
     processors needs every quantized Linear's outputs to be a multiple of 32 and its inputs a multiple of 64 (the
     quantization block); width 32 fails there (docs/quantization.md)."""
-    torch.manual_seed(seed)
-    tokenizer = gpt2_tokenizer()
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return GPT2LMHeadModel(config).eval()
+    return random_gpt2(seed=seed, n_positions=128, n_embd=64, n_layer=2, n_head=2).eval()
 
 
 def delta_base(args: argparse.Namespace, out: Path) -> Path:
