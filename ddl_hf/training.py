@@ -6,6 +6,8 @@
   the bundled public-domain corpus and cached, so that everything works offline; `random_gpt2`, the freshly
   initialised GPT-2 that pretraining (and a quick tiny run) starts from.
 - `finetune`: one causal-LM fine-tuning run with eval perplexity before and after.
+- `add_base_arguments`, `add_training_arguments`, `training_arguments_from`: the flags every example shares
+  (`--base`, `--steps`, `--lr`, ...) and the `TrainingArguments` they stand for.
 """
 
 from __future__ import annotations
@@ -331,6 +333,48 @@ def add_base_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_training_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    output_dir: str,
+    lr: float,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    block_size: int | None = None,
+    seed: int = 0,
+) -> None:
+    """The training flags the examples share, with each example's defaults: `--output-dir`, `--lr`, `--seed`, and
+    `--steps`, `--batch-size`, `--block-size` for each default given (an example whose defaults depend on other flags
+    adds its own). `training_arguments_from` turns them into `TrainingArguments`."""
+    parser.add_argument("--output-dir", default=output_dir)
+    sizes = {
+        "--steps": (steps, "optimizer steps"),
+        "--batch-size": (batch_size, "examples per step, per process"),
+        "--block-size": (block_size, "tokens per training block (at most the model's context)"),
+    }
+    for flag, (default, text) in sizes.items():
+        if default is not None:
+            parser.add_argument(flag, type=int, default=default, help=text)
+    parser.add_argument("--lr", type=float, default=lr, help="learning rate")
+    parser.add_argument("--seed", type=int, default=seed)
+
+
+def training_arguments_from(
+    flags: argparse.Namespace, output_dir: str | os.PathLike | None = None, **overrides: Any
+) -> TrainingArguments:
+    """`training_arguments` for the flags of `add_training_arguments`: `--steps` steps of `--batch-size` at `--lr`,
+    seeded by `--seed`, logging five times a run, in `<--output-dir>/trainer` unless `output_dir` is given."""
+    fields: dict[str, Any] = dict(
+        max_steps=flags.steps,
+        per_device_train_batch_size=flags.batch_size,
+        learning_rate=flags.lr,
+        logging_steps=max(1, flags.steps // 5),
+        seed=flags.seed,
+    )
+    output_dir = Path(flags.output_dir) / "trainer" if output_dir is None else output_dir
+    return training_arguments(output_dir, **(fields | overrides))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Fine-tuning
 # ----------------------------------------------------------------------------------------------------------------
@@ -403,6 +447,7 @@ __all__ = [
     "DeltaTrainer",
     "FinetuneResult",
     "add_base_arguments",
+    "add_training_arguments",
     "base_gpt2",
     "default_cache_dir",
     "finetune",
@@ -410,5 +455,6 @@ __all__ = [
     "pretrain_small_gpt2",
     "random_gpt2",
     "training_arguments",
+    "training_arguments_from",
     "use_causal_lm_loss_accounting",
 ]
