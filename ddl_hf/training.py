@@ -3,8 +3,11 @@
 - `DeltaTrainer`: a `transformers.Trainer` that can give the Delta parameters their own learning rate (the gates
   start exactly closed, so with the base model's small fine-tuning learning rate they barely move).
 - `base_gpt2`: the base GPT-2 of the demo: a Hub id / directory when given, else a small GPT-2 pretrained here on
-  the bundled public-domain corpus and cached, so that everything works offline.
+  the bundled public-domain corpus and cached, so that everything works offline; `random_gpt2`, the freshly
+  initialised GPT-2 that pretraining (and a quick tiny run) starts from.
 - `finetune`: one causal-LM fine-tuning run with eval perplexity before and after.
+- `add_base_arguments`, `add_training_arguments`, `training_arguments_from`: the flags every example shares
+  (`--base`, `--steps`, `--lr`, ...) and the `TrainingArguments` they stand for.
 """
 
 from __future__ import annotations
@@ -220,22 +223,32 @@ def pretrain_small_gpt2(
         return _pretrain_small_gpt2(spec, output_dir, tokenizer)
 
 
+def random_gpt2(tokenizer: PreTrainedTokenizerBase | None = None, seed: int = 0, **config: Any) -> GPT2LMHeadModel:
+    """A GPT-2 initialised from `seed` for `tokenizer` (default: GPT-2's own): its vocabulary size, BOS and EOS.
+
+    `config`: any other `GPT2Config` fields (sizes, dropout). The loss accounting is set as in `base_gpt2`.
+    """
+    tokenizer = tokenizer or gpt2_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **config
+    )
+    torch.manual_seed(seed)
+    return use_causal_lm_loss_accounting(GPT2LMHeadModel(config))
+
+
 def _pretrain_small_gpt2(
     spec: BaseSpec, output_dir: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | None
 ) -> GPT2LMHeadModel:
     tokenizer = tokenizer or gpt2_tokenizer()
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
+    model = random_gpt2(
+        tokenizer,
+        spec.seed,
         n_layer=spec.n_layer,
         n_embd=spec.n_embd,
         n_head=spec.n_head,
         n_positions=spec.n_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         **spec.extra,
     )
-    torch.manual_seed(spec.seed)
-    model = use_causal_lm_loss_accounting(GPT2LMHeadModel(config))
     blocks = tokenize_and_chunk(
         load_text(spec.corpus), tokenizer, spec.block_size, max_blocks=spec.steps * spec.batch_size
     )
@@ -320,6 +333,48 @@ def add_base_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_training_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    output_dir: str,
+    lr: float,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    block_size: int | None = None,
+    seed: int = 0,
+) -> None:
+    """The training flags the examples share, with each example's defaults: `--output-dir`, `--lr`, `--seed`, and
+    `--steps`, `--batch-size`, `--block-size` for each default given (an example whose defaults depend on other flags
+    adds its own). `training_arguments_from` turns them into `TrainingArguments`."""
+    parser.add_argument("--output-dir", default=output_dir)
+    sizes = {
+        "--steps": (steps, "optimizer steps"),
+        "--batch-size": (batch_size, "examples per step, per process"),
+        "--block-size": (block_size, "tokens per training block (at most the model's context)"),
+    }
+    for flag, (default, text) in sizes.items():
+        if default is not None:
+            parser.add_argument(flag, type=int, default=default, help=text)
+    parser.add_argument("--lr", type=float, default=lr, help="learning rate")
+    parser.add_argument("--seed", type=int, default=seed)
+
+
+def training_arguments_from(
+    flags: argparse.Namespace, output_dir: str | os.PathLike | None = None, **overrides: Any
+) -> TrainingArguments:
+    """`training_arguments` for the flags of `add_training_arguments`: `--steps` steps of `--batch-size` at `--lr`,
+    seeded by `--seed`, logging five times a run, in `<--output-dir>/trainer` unless `output_dir` is given."""
+    fields: dict[str, Any] = dict(
+        max_steps=flags.steps,
+        per_device_train_batch_size=flags.batch_size,
+        learning_rate=flags.lr,
+        logging_steps=max(1, flags.steps // 5),
+        seed=flags.seed,
+    )
+    output_dir = Path(flags.output_dir) / "trainer" if output_dir is None else output_dir
+    return training_arguments(output_dir, **(fields | overrides))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Fine-tuning
 # ----------------------------------------------------------------------------------------------------------------
@@ -392,11 +447,14 @@ __all__ = [
     "DeltaTrainer",
     "FinetuneResult",
     "add_base_arguments",
+    "add_training_arguments",
     "base_gpt2",
     "default_cache_dir",
     "finetune",
     "preserved_rng",
     "pretrain_small_gpt2",
+    "random_gpt2",
     "training_arguments",
+    "training_arguments_from",
     "use_causal_lm_loss_accounting",
 ]

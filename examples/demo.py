@@ -36,20 +36,14 @@ from transformers import AutoModelForCausalLM, pipeline, set_seed
 import ddl_hf
 from ddl_hf.callbacks import DeltaStatsCallback, beta_history, plot_beta_history
 from ddl_hf.corpus import lm_datasets, load_text, tokenize_and_chunk
-from ddl_hf.training import BaseSpec, base_gpt2, finetune
+from ddl_hf.training import BaseSpec, add_base_arguments, base_gpt2, finetune
 
 SMOKE_SPEC = BaseSpec(n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32, steps=4, batch_size=2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default=None, help="GPT-2 Hub id or directory (default: small GPT-2 built here)")
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="where the small base GPT-2 is cached (default $DDL_HF_CACHE, else $XDG_CACHE_HOME/ddl_hf, else "
-        "~/.cache/ddl_hf)",
-    )
+    add_base_arguments(parser)
     parser.add_argument("--output-dir", default="outputs/demo", help="plots, logs and the saved DeltaGPT")
     parser.add_argument("--steps", type=int, default=40, help="fine-tuning optimizer steps (same for both models)")
     parser.add_argument("--batch-size", type=int, default=4)

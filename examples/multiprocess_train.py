@@ -26,7 +26,13 @@ import ddl_hf
 from ddl_hf.callbacks import DeltaStatsCallback
 from ddl_hf.corpus import lm_datasets
 from ddl_hf.distributed import block_classes, gather_full_state_dict
-from ddl_hf.training import DeltaTrainer, add_base_arguments, base_gpt2, training_arguments
+from ddl_hf.training import (
+    DeltaTrainer,
+    add_base_arguments,
+    add_training_arguments,
+    base_gpt2,
+    training_arguments_from,
+)
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
@@ -41,14 +47,9 @@ def parameter_digest(model: torch.nn.Module) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_base_arguments(parser)
-    parser.add_argument("--output-dir", default="outputs/multiprocess")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=2, help="per process")
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    add_training_arguments(parser, output_dir="outputs/multiprocess", steps=20, batch_size=2, block_size=128, lr=5e-4)
     parser.add_argument("--ddp-backend", default=None, help="default: gloo on CPU, accelerate's choice on GPUs")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 through TrainingArguments (needs GPUs)")
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -66,16 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         wrap = sorted(cls.__name__ for cls in block_classes(model))
         sharding = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": wrap})
     gpus = torch.cuda.is_available()
-    training_args = training_arguments(
-        out / "trainer",
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr,
+    training_args = training_arguments_from(
+        args,
         logging_steps=max(1, args.steps // 4),
         ddp_backend=args.ddp_backend or (None if gpus else "gloo"),
         use_cpu=not gpus,
         bf16=gpus,
-        seed=args.seed,
         **sharding,
     )
     trainer = DeltaTrainer(

@@ -19,7 +19,13 @@ from transformers import AutoModelForCausalLM, default_data_collator, set_seed
 
 import ddl_hf
 from ddl_hf.corpus import lm_datasets
-from ddl_hf.training import DeltaTrainer, add_base_arguments, base_gpt2, training_arguments
+from ddl_hf.training import (
+    DeltaTrainer,
+    add_base_arguments,
+    add_training_arguments,
+    base_gpt2,
+    training_arguments_from,
+)
 
 LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]
 DELTA_MODULES = ["attn_delta", "mlp_delta"]
@@ -41,13 +47,8 @@ def lora_config(rank: int = 8) -> LoraConfig:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_base_arguments(parser)
-    parser.add_argument("--output-dir", default="outputs/peft_lora")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    add_training_arguments(parser, output_dir="outputs/peft_lora", steps=30, batch_size=4, block_size=128, lr=2e-3)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     return parser.parse_args(argv)
 
 
@@ -66,14 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = lm_datasets(tokenizer, block_size, max_train_blocks=args.steps * args.batch_size, max_eval_blocks=8)
     trainer = DeltaTrainer(
         model=model,
-        args=training_arguments(
-            out / "trainer",
-            max_steps=args.steps,
-            per_device_train_batch_size=args.batch_size,
-            learning_rate=args.lr,
-            logging_steps=max(1, args.steps // 5),
-            seed=args.seed,
-        ),
+        args=training_arguments_from(args),
         train_dataset=data["train"],
         eval_dataset=data["eval"],
         data_collator=default_data_collator,

@@ -30,7 +30,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BitsAndBytesConfig,
-    GPT2Config,
     GPT2LMHeadModel,
     PreTrainedModel,
     Trainer,
@@ -41,7 +40,13 @@ from transformers import (
 import ddl_hf
 from ddl_hf.corpus import gpt2_tokenizer, lm_datasets
 from ddl_hf.peft_targets import DELTA_NET_ATTENTION_TARGETS, LLAMA_PROJECTION_SUBLAYERS
-from ddl_hf.training import add_base_arguments, base_gpt2, training_arguments
+from ddl_hf.training import (
+    add_base_arguments,
+    add_training_arguments,
+    base_gpt2,
+    random_gpt2,
+    training_arguments_from,
+)
 
 DELTA_MODULES = ["attn_delta", "mlp_delta"]  # every Delta residual of both families
 
@@ -52,14 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delta", default=None, help="an already converted DeltaGPT / DeltaLlama directory")
     parser.add_argument("--tiny", action="store_true", help="a tiny random GPT-2 (2 layers, width 64): a quick run")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
-    parser.add_argument("--output-dir", default="outputs/qlora")
+    add_training_arguments(parser, output_dir="outputs/qlora", lr=2e-3)
+    # The sizes' defaults depend on --tiny, so they are filled in after parsing.
     parser.add_argument("--steps", type=int, default=None, help="default 30 (--tiny: 8)")
     parser.add_argument("--batch-size", type=int, default=None, help="default 4 (--tiny: 2)")
     parser.add_argument("--block-size", type=int, default=None, help="default 128 (--tiny: 32)")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--freeze-delta", action="store_true", help="train the LoRA adapters only")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if (args.base is not None) + (args.delta is not None) + args.tiny > 1:
         parser.error("pass at most one of --base, --delta and --tiny")
@@ -74,18 +78,7 @@ def tiny_gpt2(seed: int) -> GPT2LMHeadModel:
     """A random 2-layer GPT-2 of width 64 with GPT-2's vocabulary. bitsandbytes' 4-bit CPU kernel for AVX512-BF16
     processors needs every quantized Linear's outputs to be a multiple of 32 and its inputs a multiple of 64 (the
     quantization block); width 32 fails there (docs/quantization.md)."""
-    torch.manual_seed(seed)
-    tokenizer = gpt2_tokenizer()
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return GPT2LMHeadModel(config).eval()
+    return random_gpt2(seed=seed, n_positions=128, n_embd=64, n_layer=2, n_head=2).eval()
 
 
 def delta_base(args: argparse.Namespace, out: Path) -> Path:
@@ -187,15 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     def trainer_for(model: PreTrainedModel) -> Trainer:
         return Trainer(
             model=qlora_model(model, args),
-            args=training_arguments(
-                out / "trainer",
-                max_steps=args.steps,
-                per_device_train_batch_size=args.batch_size,
-                learning_rate=args.lr,
-                logging_steps=max(1, args.steps // 5),
-                seed=args.seed,
-                use_cpu=not torch.cuda.is_available(),
-            ),
+            args=training_arguments_from(args, use_cpu=not torch.cuda.is_available()),
             train_dataset=data["train"],
             eval_dataset=data["eval"],
             data_collator=default_data_collator,

@@ -18,7 +18,13 @@ from transformers import DataCollatorWithPadding, set_seed
 
 import ddl_hf
 from ddl_hf.corpus import load_text
-from ddl_hf.training import DeltaTrainer, add_base_arguments, base_gpt2, training_arguments
+from ddl_hf.training import (
+    DeltaTrainer,
+    add_base_arguments,
+    add_training_arguments,
+    base_gpt2,
+    training_arguments_from,
+)
 
 LABELS = ["Austen", "Shakespeare"]
 
@@ -43,13 +49,9 @@ def accuracy(eval_pred) -> dict[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_base_arguments(parser)
-    parser.add_argument("--output-dir", default="outputs/sequence_classification")
-    parser.add_argument("--per-class", type=int, default=200)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    add_training_arguments(parser, output_dir="outputs/sequence_classification", steps=60, batch_size=8, lr=1e-3)
+    parser.add_argument("--per-class", type=int, default=200, help="paragraphs per author")
+    parser.add_argument("--max-length", type=int, default=64, help="tokens per paragraph (truncated)")
     return parser.parse_args(argv)
 
 
@@ -69,14 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = author_dataset(tokenizer, args.per_class, min(args.max_length, model.config.n_positions), args.seed)
     trainer = DeltaTrainer(
         model=model,
-        args=training_arguments(
-            out / "trainer",
-            max_steps=args.steps,
-            per_device_train_batch_size=args.batch_size,
-            learning_rate=args.lr,
-            logging_steps=max(1, args.steps // 5),
-            seed=args.seed,
-        ),
+        args=training_arguments_from(args),
         train_dataset=data["train"],
         eval_dataset=data["test"],
         data_collator=DataCollatorWithPadding(tokenizer),

@@ -20,21 +20,24 @@ from transformers.trainer_utils import get_last_checkpoint
 import ddl_hf
 from ddl_hf.callbacks import DeltaStatsCallback
 from ddl_hf.corpus import lm_datasets
-from ddl_hf.training import DeltaTrainer, add_base_arguments, base_gpt2, training_arguments
+from ddl_hf.training import (
+    DeltaTrainer,
+    add_base_arguments,
+    add_training_arguments,
+    base_gpt2,
+    training_arguments_from,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_base_arguments(parser)
-    parser.add_argument("--output-dir", default="outputs/train_causal_lm")
-    parser.add_argument("--steps", type=int, default=40)
+    add_training_arguments(
+        parser, output_dir="outputs/train_causal_lm", steps=40, batch_size=4, block_size=128, lr=5e-4
+    )
     parser.add_argument("--save-steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--delta-lr-scale", type=float, default=1.0)
     parser.add_argument("--eval-blocks", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", default=None, help="checkpoint directory, or 'latest' in --output-dir")
     return parser.parse_args(argv)
 
@@ -48,18 +51,16 @@ def main(argv: list[str] | None = None) -> DeltaTrainer:
     data = lm_datasets(
         tokenizer, block_size, max_train_blocks=args.steps * args.batch_size, max_eval_blocks=args.eval_blocks
     )
-    training_args = training_arguments(
+    # Checkpoints go straight into --output-dir (not a trainer/ subfolder), where --resume latest looks for them.
+    training_args = training_arguments_from(
+        args,
         args.output_dir,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr,
         warmup_steps=max(1, args.steps // 10),
         logging_steps=max(1, args.save_steps // 2),
         eval_strategy="steps",
         eval_steps=args.save_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
-        seed=args.seed,
         data_seed=args.seed,
     )
     trainer = DeltaTrainer(

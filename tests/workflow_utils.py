@@ -1,4 +1,5 @@
-"""Helpers for the workflow tests: a tiny GPT-2 with the real GPT-2 tokenizer, and loading the example scripts."""
+"""Helpers for the workflow tests: a tiny GPT-2 with the real GPT-2 tokenizer, and loading and running the example
+scripts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from transformers import GPT2LMHeadModel
@@ -53,6 +55,24 @@ def load_example(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def flags(**options: object) -> list[str]:
+    """Command-line flags from keywords, spelled as the examples spell them: `block_size=16` -> `--block-size 16`;
+    `True` is a switch (`tiny=True` -> `--tiny`)."""
+    argv = []
+    for name, value in options.items():
+        argv.append(f"--{name.replace('_', '-')}")
+        if value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def run_example(name: str, tmp_path: Path, **options: object) -> Any:
+    """`examples/<name>.py`'s `main` on a tiny GPT-2 without dropout saved in `tmp_path / "base"`, writing to
+    `tmp_path / "out"`; `options`: the other flags (see `flags`)."""
+    base = tiny_gpt2_dir(tmp_path / "base", dropout=0.0)
+    return load_example(name).main(flags(base=base, output_dir=tmp_path / "out", **options))
 
 
 def state_dict_equal(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:

@@ -5,29 +5,12 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from tests.workflow_utils import load_example, tiny_gpt2_dir
+from tests.workflow_utils import run_example
 
 
 def test_author_classification_learns_and_pools_last_real_token(tmp_path):
-    base = tiny_gpt2_dir(tmp_path / "base", dropout=0.0)
-    example = load_example("sequence_classification")
-    result = example.main(
-        [
-            "--base",
-            str(base),
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--per-class",
-            "48",
-            "--max-length",
-            "24",
-            "--steps",
-            "24",
-            "--batch-size",
-            "8",
-            "--lr",
-            "3e-3",
-        ]
+    result = run_example(
+        "sequence_classification", tmp_path, per_class=48, max_length=24, steps=24, batch_size=8, lr=3e-3
     )
     assert result["after"]["eval_loss"] < result["before"]["eval_loss"]
     assert result["after"]["eval_accuracy"] >= 0.7  # two very different styles; chance is 0.5

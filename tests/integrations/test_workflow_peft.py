@@ -5,30 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.workflow_utils import load_example, tiny_gpt2_dir
+from tests.workflow_utils import load_example, run_example
 
 
 def test_lora_with_delta_params_save_reload_merge(tmp_path):
-    base = tiny_gpt2_dir(tmp_path / "base", dropout=0.0)
-    example = load_example("peft_lora")
-    result = example.main(
-        [
-            "--base",
-            str(base),
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--steps",
-            "4",
-            "--batch-size",
-            "2",
-            "--block-size",
-            "16",
-            "--rank",
-            "4",
-            "--lr",
-            "1e-2",
-        ]
-    )
+    result = run_example("peft_lora", tmp_path, steps=4, batch_size=2, block_size=16, rank=4, lr=1e-2)
     out = result["output_dir"]
     adapter_files = {p.name for p in (out / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= adapter_files

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.workflow_utils import load_example, state_dict_equal, tiny_gpt2_dir
+from tests.workflow_utils import flags, load_example, state_dict_equal, tiny_gpt2_dir
 
-ARGS = ["--steps", "6", "--save-steps", "3", "--batch-size", "2", "--block-size", "32", "--eval-blocks", "2"]
+ARGS = flags(steps=6, save_steps=3, batch_size=2, block_size=32, eval_blocks=2)
 
 
 @pytest.fixture(scope="module")
