@@ -2,12 +2,15 @@
 
     python -m ddl_lab.benchmarks.bench_delta_net            # full run, writes results/delta_net_bench.{json,md}
     python -m ddl_lab.benchmarks.bench_delta_net --quick    # short lengths; writes only with --out (*_quick.*)
+    python -m ddl_lab.benchmarks.bench_delta_net --quick --methods chunkwise --passes forward  # one process: a check
 
 Sizes: batch 1, 4 heads, d_k = d_v = 64 (one layer of a 256-wide model), float32, `--threads` CPU threads (default 1:
-the numbers stay comparable on a shared machine). Every (method, pass) runs in a fresh subprocess, warmed up on
-T = 64. Time: the best of several runs. Memory, measured after all timings: peak resident memory above the resident
-memory before one more call (VmHWM, reset through /proc/self/clear_refs; glibc malloc is then told to mmap every
-block >= 64 KiB and to trim, so that freed tensors leave RSS and every length starts from the same baseline).
+the numbers stay comparable on a shared machine). Every (method, pass) runs in a fresh subprocess (its own allocator
+and peak-memory counter, untouched by the other methods), warmed up on T = 64; `--methods` and `--passes` pick some
+of them (a selection, like `--quick`, writes only with --out). Time: the best of several runs. Memory, measured after
+all timings: peak resident memory above the resident memory before one more call (VmHWM, reset through
+/proc/self/clear_refs; glibc malloc is then told to mmap every block >= 64 KiB and to trim, so that freed tensors
+leave RSS and every length starts from the same baseline).
 Generation: a 2-layer DeltaGPT (n_embd 256, 4 heads) with each token mixer; after prefilling L tokens, the median
 time of 16 single-token steps with the cache, and the size of the cache. Training: the same two models (same Delta
 residuals, only the token mixer differs), one training step (forward, backward, AdamW) at batch 1 and T = 256 and
@@ -33,13 +36,15 @@ from pathlib import Path
 import torch
 
 from ddl_hf.delta_compat import cache_of
-from ddl_lab.common import interleaved, provenance, ratio_spread, train_step_fn, write_results
+from ddl_lab.common import REPO_ROOT, interleaved, provenance, ratio_spread, train_step_fn, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WORKER_MODULE = "ddl_lab.benchmarks.bench_delta_net"  # a worker runs `python -m WORKER_MODULE --worker ...`
 
 BATCH, HEADS, HEAD_DIM, CHUNK = 1, 4, 64, 64
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 METHODS = ("chunkwise", "recurrent", "sdpa")
+METHOD_NAMES = {"chunkwise": "chunkwise", "recurrent": "recurrent loop", "sdpa": "SDPA (softmax)"}
 PASSES = ("forward", "forward+backward")
 GEN_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 GEN_STEPS = 16
@@ -123,7 +128,8 @@ def peak_memory_mib(method: str, seq_len: int, backward: bool, libc) -> float | 
 
 def measure(method: str, backward: bool, lengths: tuple[int, ...], threads: int) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    args = [sys.executable, __file__, "--worker", method, str(int(backward)), ",".join(map(str, lengths))]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))  # ddl_lab, from anywhere
+    args = [sys.executable, "-m", WORKER_MODULE, "--worker", method, str(int(backward)), ",".join(map(str, lengths))]
     output = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -195,7 +201,8 @@ def cache_bytes(cache) -> int:
 
 
 def markdown(results: dict) -> str:
-    ops = results["ops"]
+    ops, methods = results["ops"], results["methods"]
+    ratio = {"chunkwise", "recurrent"} <= set(methods)
     lines = [
         "# DeltaNet benchmark (CPU)",
         "",
@@ -204,18 +211,19 @@ def markdown(results: dict) -> str:
         "memory: peak resident memory of one call above the inputs.",
         "",
     ]
-    for pass_name in PASSES:
-        lines += [f"## {pass_name}", "", "| T | chunkwise | recurrent loop | SDPA (softmax) | recurrent / chunkwise |"]
-        lines += ["|---:|---:|---:|---:|---:|"]
+    for pass_name in results["passes"]:
+        lines += [f"## {pass_name}", ""]
+        lines += ["| T | " + " | ".join(METHOD_NAMES[m] for m in methods) + " |" + " recurrent / chunkwise |" * ratio]
+        lines += ["|---:|" + "---:|" * (len(methods) + ratio)]
         for seq_len in results["lengths"]:
-            row = {m: ops[f"{m}/{pass_name}/{seq_len}"] for m in METHODS}
+            row = {m: ops[f"{m}/{pass_name}/{seq_len}"] for m in methods}
 
             def cell(r):
                 memory = "" if r["peak_mib"] is None else f", {r['peak_mib']:.0f} MiB"
                 return f"{1e3 * r['time_s']:.1f} ms{memory}"
 
-            speedup = row["recurrent"]["time_s"] / row["chunkwise"]["time_s"]
-            lines.append(f"| {seq_len} | " + " | ".join(cell(row[m]) for m in METHODS) + f" | {speedup:.1f}x |")
+            speedup = f" {row['recurrent']['time_s'] / row['chunkwise']['time_s']:.1f}x |" if ratio else ""
+            lines.append(f"| {seq_len} | " + " | ".join(cell(row[m]) for m in methods) + " |" + speedup)
         lines.append("")
     lines += ["## Generation: time per new token after a context of L tokens (2-layer model, n_embd 256)", ""]
     lines += ["| L | DeltaNet ms/token | DeltaNet cache | attention ms/token | attention KV cache |"]
@@ -238,13 +246,13 @@ def markdown(results: dict) -> str:
 
 
 def goals(results: dict) -> dict:
-    ops, out = results["ops"], {}
-    if 2048 in results["lengths"]:
-        for p in PASSES:
+    ops, methods, out = results["ops"], set(results["methods"]), {}
+    if 2048 in results["lengths"] and {"chunkwise", "recurrent"} <= methods:
+        for p in results["passes"]:
             s = ops[f"recurrent/{p}/2048"]["time_s"] / ops[f"chunkwise/{p}/2048"]["time_s"]
             out[f"chunkwise speed-up over the recurrent loop at T=2048 ({p}), goal >= 5x"] = f"{s:.1f}x"
-    if {1024, 8192} <= set(results["lengths"]):
-        for p in PASSES:
+    if {1024, 8192} <= set(results["lengths"]) and "chunkwise" in methods:
+        for p in results["passes"]:
             r = ops[f"chunkwise/{p}/8192"]["time_s"] / ops[f"chunkwise/{p}/1024"]["time_s"]
             out[f"chunkwise time T=8192 / T=1024 ({p}), goal <= 9x (linear = 8x)"] = f"{r:.1f}x"
     per_token = [row["ms_per_token"] for row in results["generation"]["delta_net"]]
@@ -254,31 +262,36 @@ def goals(results: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short lengths only; write only where --out is given")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="default: all three")
+    parser.add_argument("--passes", nargs="+", choices=PASSES, default=PASSES, help="default: both")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: ddl_lab/benchmarks/results)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         method, backward, lengths = args.worker
         print(json.dumps(worker(method, bool(int(backward)), [int(n) for n in lengths.split(",")])))
         return
 
     torch.set_num_threads(args.threads)
+    methods, passes = [m for m in METHODS if m in args.methods], [p for p in PASSES if p in args.passes]
     lengths = (256, 512) if args.quick else LENGTHS
     contexts = (64, 256) if args.quick else GEN_CONTEXTS
     started = time.perf_counter()
     results = {
-        "provenance": provenance(),
+        "provenance": provenance(None if argv is None else [__file__, *argv]),
         "threads": args.threads,
         "sizes": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "chunk_size": CHUNK},
         "lengths": list(lengths),
+        "methods": methods,
+        "passes": passes,
         "ops": {},
     }
-    for pass_name in PASSES:
-        for method in METHODS:
+    for pass_name in passes:
+        for method in methods:
             for seq_len, row in zip(lengths, measure(method, pass_name != "forward", lengths, args.threads)):
                 results["ops"][f"{method}/{pass_name}/{seq_len}"] = row
                 print(f"{method}/{pass_name}/{seq_len}", f"{1e3 * row['time_s']:.1f} ms", row["peak_mib"], flush=True)
@@ -290,10 +303,9 @@ def main() -> None:
     results["wall_s"] = time.perf_counter() - started
     report = markdown(results)
     print(report)
-    if not args.quick:
-        write_results(args.out or RESULTS, "delta_net_bench", results, report)
-    elif args.out is not None:  # a smoke run writes only where asked, and never over the real results' names
-        write_results(args.out, "delta_net_bench_quick", results, report)
+    whole = not args.quick and (methods, passes) == (list(METHODS), list(PASSES))
+    if whole or args.out is not None:  # a smoke run or a selection writes only where asked, never over the results
+        write_results(args.out or RESULTS, "delta_net_bench" + "_quick" * args.quick, results, report)
 
 
 if __name__ == "__main__":

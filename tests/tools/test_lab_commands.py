@@ -28,6 +28,13 @@ COMMANDS = {
         "overhead_quick",
         None,
     ),
+    "bench_delta_net": (
+        "ddl_lab.benchmarks.bench_delta_net",
+        # --quick alone starts a process per method and pass, six of them (a minute): one of them, the same code
+        ["--quick", "--methods", "chunkwise", "--passes", "forward"],
+        "delta_net_bench_quick",
+        None,
+    ),
     "bench_vllm_routes": ("ddl_lab.benchmarks.bench_vllm_routes", ["--rounds", "1"], "vllm_routes", "vllm"),
     "assoc_recall": ("ddl_lab.studies.assoc_recall", ["--quick"], "assoc_recall_quick", None),
 }
@@ -46,11 +53,10 @@ ELSEWHERE = {
     "ddl_lab.studies.bench_pretrain_length": "test_bench_pretrain_length.py (--quick)",
     "ddl_lab.studies.bench_pretrain_scaling": "test_bench_pretrain_scaling.py (--quick plan, synthetic runs)",
     "ddl_lab.studies.bench_finetune": "test_bench_finetune.py (--base: a tiny GPT-2 the test saves, 2 steps)",
+    "ddl_lab.studies.diagnose_averaging_init": "test_diagnose_averaging_init.py (--quick)",
     "ddl_lab.checks.gpu_check": "test_gpu_check.py (--device cpu --tiny, a subprocess)",
     "ddl_lab.checks.gpu_report": "not a command: gpu_check's report, written by test_gpu_check.py's runs",
     # Not run by the suite, with the reason:
-    "ddl_lab.benchmarks.bench_delta_net": "not run: --quick starts a process per method and pass (minutes)",
-    "ddl_lab.studies.diagnose_averaging_init": "not run: trains the study's preset (--steps 60 is minutes)",
     "ddl_lab.checks.compare_reference": "not run: needs the authors' checkout (network)",
 }
 
