@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 import ddl_hf
-from tests.builders import BYTE_LEVEL, build_source, delta_model, gpt2_model, scramble_delta_weights
+from tests.builders import BYTE_LEVEL, BYTE_LEVEL_LLAMA, build_source, delta_model, gpt2_model, scramble_delta_weights
 from tests.gpt2_fixtures import EOS, byte_tokenizer
 from tests.workflow_utils import free_port
 
@@ -37,15 +37,7 @@ needs_vllm = pytest.mark.skipif(
 
 #: Sizes vLLM's CPU attention takes (head size 32 or more), with the byte-level tokenizer's vocabulary (257).
 LLAMA_SIZE = dict(
-    vocab_size=257,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    max_position_embeddings=128,
-    bos_token_id=EOS,
-    eos_token_id=EOS,
+    BYTE_LEVEL_LLAMA, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32
 )
 GPT2_SIZE = dict(n_embd=64, n_head=2, initializer_range=0.1)
 NEW_TOKENS = 16

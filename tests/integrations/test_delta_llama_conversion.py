@@ -27,24 +27,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
+from tests.builders import BYTE_LEVEL_LLAMA, build_source
 from tests.builders import LLAMA_FAMILIES as FAMILIES
-from tests.builders import build_source
 from tests.conversion_runs import DELTA_LLAMA_CODE, assert_refused, partial_save_then
 from tests.gpt2_fixtures import byte_tokenizer, text_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EOS = 256  # the byte tokenizer's <|endoftext|>
-#: builders' LLAMA_TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
-SIZE = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 HUB_ID = "someone/tiny-mistral"
 
 
 def build(family: str) -> PreTrainedModel:
-    return build_source(family, **SIZE)
+    """builders' LLAMA_TINY with the byte tokenizer's vocabulary and a context that holds HELD_OUT (128 tokens)."""
+    return build_source(family, **BYTE_LEVEL_LLAMA)
 
 
 @pytest.fixture(scope="module")
