@@ -25,7 +25,7 @@ import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 from tests.builders import BYTE_LEVEL, gpt2_config
-from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, partial_save_then, record_hub_uploads
+from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, hub_auto_map, partial_save_then, record_hub_uploads
 from tests.gpt2_fixtures import (
     EOS,
     byte_tokenizer,
@@ -108,15 +108,7 @@ def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
 
     config = json.loads((converted_dir / "config.json").read_text())
     assert config["model_type"] == "delta_gpt" and config["delta_value_channels"] == 4
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_delta_gpt.DeltaGPTForCausalLM"
-    assert set(config["auto_map"]) == {
-        "AutoConfig",
-        "AutoModel",
-        "AutoModelForCausalLM",
-        "AutoModelForSequenceClassification",
-        "AutoModelForTokenClassification",
-        "AutoModelForQuestionAnswering",
-    }
+    assert config["auto_map"] == hub_auto_map("DeltaGPT")
     for name in DELTA_GPT_CODE:  # the shipped Hub code is the code of this checkout
         assert (converted_dir / name).read_text() == (REPO_ROOT / name).read_text()
     assert json.loads((converted_dir / "generation_config.json").read_text())["max_length"] == 77
