@@ -217,6 +217,31 @@ def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
+def inspect_table(model_dir: str | Path, text: str | Path, png: str | Path) -> dict[str, list[str]]:
+    """`ddl-hf inspect model_dir --text text --output png`, in this process, of a two-layer model whose blocks are set
+    to four regimes: L0.attn keeps (closed), L0.mlp forgets (beta 1), L1.attn anything, L1.mlp reflects (beta =
+    2 sigmoid(4) ~ 1.964). It exits 0, its table names those regimes and it draws the heat-map; the table's rows (each
+    a row's fields), by block."""
+    import contextlib
+    import io
+
+    import pytest
+
+    import ddl_hf_cli
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = ddl_hf_cli.main(["inspect", str(model_dir), "--text", str(text), "--output", str(png)])
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in stdout.getvalue().splitlines() if line.startswith("L")}
+    assert set(rows) == {"L0.attn", "L0.mlp", "L1.attn", "L1.mlp"}
+    assert rows["L0.attn"][-1] == "keeps" and float(rows["L0.attn"][1]) == 0.0
+    assert rows["L0.mlp"][-1] == "forgets" and float(rows["L0.mlp"][1]) == pytest.approx(1.0, abs=1e-3)
+    assert rows["L1.mlp"][-1] == "reflects" and float(rows["L1.mlp"][1]) == pytest.approx(1.964, abs=1e-3)
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return rows
+
+
 # ---- DeltaLlama: tiny Llama-family sources (transformers' own classes) and their conversions ----------------------
 
 #: Each family with what makes it differ: RoPE scaling (Llama), a sliding window shorter than the test sequences
