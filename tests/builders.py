@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -29,26 +30,19 @@ from transformers import (
 
 import ddl_hf
 from ddl_lab.builders import LLAMA_TINY, open_gates  # the lab's, shared with the tests
+from tests.data.ddl_hf_0_1.legacy_run import TINY  # the default tiny GPT-2 (below)
 
-VOCAB = 97
+if TYPE_CHECKING:
+    from transformers.trainer_utils import TrainOutput
 
-#: The default tiny GPT-2: 2 layers, 32 wide, 4 heads, context 64; dropout off so runs are deterministic.
-TINY = dict(
-    vocab_size=VOCAB,
-    n_positions=64,
-    n_embd=32,
-    n_layer=2,
-    n_head=4,
-    resid_pdrop=0.0,
-    embd_pdrop=0.0,
-    attn_pdrop=0.0,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+#: The default tiny GPT-2, `TINY` (2 layers, 32 wide, 4 heads, context 64, vocabulary 97; dropout off so runs are
+#: deterministic), is the one the 0.1 fixtures were made with: that record, frozen, is its one home.
+VOCAB = TINY["vocab_size"]
 
 #: The byte-level GPT-2 of `gpt2_fixtures` (token id = byte, 256 = <|endoftext|>, no pad token), context 128, 2 heads.
 BYTE_LEVEL = dict(vocab_size=257, n_positions=128, n_head=2, bos_token_id=256, eos_token_id=256, pad_token_id=None)
+#: The same tokenizer's fields for a Llama-family config (over LLAMA_TINY): its vocabulary and end token, context 128.
+BYTE_LEVEL_LLAMA = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=256, eos_token_id=256)
 
 #: A DeltaNet token mixer with several chunks at test lengths and open Delta residuals (so the DeltaNet output
 #: matters everywhere). No special tokens: generate never stops early, and the tests pass pad_token_id themselves.
@@ -63,29 +57,24 @@ DELTA_NET = dict(
     pad_token_id=None,
 )
 
+#: Paper mode with an expanded state (d_v = 4): the base of most variants below.
+PAPER_DV4 = dict(delta_mode="paper", delta_value_channels=4)
+
 #: One tiny model per kind of code path a tool can trip on: both modes at d_v 1 and 4, the DeltaNet mixer,
 #: and the paper's read / expand variants (TC at d_v 1, TC + EC and CC at d_v 4). Ids are the keys.
 CLIENT_VARIANTS: dict[str, dict[str, Any]] = {
     "additive-dv1": dict(),
     "paper-dv1": dict(delta_mode="paper"),
     "additive-dv4": dict(delta_value_channels=4),
-    "paper-dv4": dict(delta_mode="paper", delta_value_channels=4),
+    "paper-dv4": PAPER_DV4,
     "delta_net-dv1": dict(token_mixer="delta_net", delta_net_chunk_size=4),
-    "delta_net-paper-dv4": dict(
-        token_mixer="delta_net", delta_net_chunk_size=4, delta_mode="paper", delta_value_channels=4
-    ),
+    "delta_net-paper-dv4": dict(PAPER_DV4, token_mixer="delta_net", delta_net_chunk_size=4),
     "tc-dv1": dict(delta_state_read="temporal_conv"),
-    "tc-ec-paper-dv4": dict(
-        delta_mode="paper", delta_value_channels=4, delta_state_read="temporal_conv", delta_embed_expand="conv"
-    ),
+    "tc-ec-paper-dv4": dict(PAPER_DV4, delta_state_read="temporal_conv", delta_embed_expand="conv"),
     "cc-dv4": dict(delta_value_channels=4, delta_state_read="channel_conv"),
     # The authors' configuration (DeltaGPTConfig.reference("tc")): their value branch, one read per block.
     "reference-tc-dv4": dict(
-        delta_mode="paper",
-        delta_value_channels=4,
-        delta_state_read="temporal_conv",
-        delta_value="sigmoid",
-        delta_shared_read=True,
+        PAPER_DV4, delta_state_read="temporal_conv", delta_value="sigmoid", delta_shared_read=True
     ),
 }
 
@@ -202,6 +191,17 @@ def enable_activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def train_steps(model: torch.nn.Module, ids: torch.Tensor, output_dir: str | Path, **arguments: Any) -> TrainOutput:
+    """transformers' `Trainer` on the rows of `ids` (each its own labels) on the CPU, saving and reporting nothing;
+    `arguments`: further TrainingArguments (max_steps, per_device_train_batch_size, ...). What `train()` returns."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(output_dir=str(output_dir), use_cpu=True, save_strategy="no", report_to=[], **arguments)
+    return Trainer(model=model, args=args, train_dataset=dataset).train()
+
+
 def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over the words of `texts` (id 0 = `<|endoftext|>`: BOS, EOS and padding, as GPT-2's),
     for tools that take text and a tokenizer (trl): a vocabulary of tens, so the tiny models stay tiny."""
@@ -215,6 +215,31 @@ def word_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=end, eos_token=end, pad_token=end, unk_token="[UNK]"
     )
+
+
+def inspect_table(model_dir: str | Path, text: str | Path, png: str | Path) -> dict[str, list[str]]:
+    """`ddl-hf inspect model_dir --text text --output png`, in this process, of a two-layer model whose blocks are set
+    to four regimes: L0.attn keeps (closed), L0.mlp forgets (beta 1), L1.attn anything, L1.mlp reflects (beta =
+    2 sigmoid(4) ~ 1.964). It exits 0, its table names those regimes and it draws the heat-map; the table's rows (each
+    a row's fields), by block."""
+    import contextlib
+    import io
+
+    import pytest
+
+    import ddl_hf_cli
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = ddl_hf_cli.main(["inspect", str(model_dir), "--text", str(text), "--output", str(png)])
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in stdout.getvalue().splitlines() if line.startswith("L")}
+    assert set(rows) == {"L0.attn", "L0.mlp", "L1.attn", "L1.mlp"}
+    assert rows["L0.attn"][-1] == "keeps" and float(rows["L0.attn"][1]) == 0.0
+    assert rows["L0.mlp"][-1] == "forgets" and float(rows["L0.mlp"][1]) == pytest.approx(1.0, abs=1e-3)
+    assert rows["L1.mlp"][-1] == "reflects" and float(rows["L1.mlp"][1]) == pytest.approx(1.964, abs=1e-3)
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return rows
 
 
 # ---- DeltaLlama: tiny Llama-family sources (transformers' own classes) and their conversions ----------------------

@@ -29,6 +29,21 @@ DELTA_GPT_CODE = (
 DELTA_LLAMA_CODE = ("configuration_delta_llama.py", "modeling_delta_llama.py", *DELTA_GPT_CODE[:1], *DELTA_GPT_CODE[2:])
 
 
+#: The heads a saved Delta model loads with through an Auto class of its own (`AutoModelFor<head>`).
+HEADS = ("CausalLM", "SequenceClassification", "TokenClassification", "QuestionAnswering")
+
+
+def hub_auto_map(model: str) -> dict[str, str]:
+    """The `auto_map` a saved `model` ("DeltaGPT" or "DeltaLlama") must carry: AutoConfig, AutoModel and each head's
+    Auto class, each to its class in the Hub code (`configuration_delta_gpt.py`, `modeling_delta_gpt.py` or Llama's)."""
+    files = {"DeltaGPT": "delta_gpt", "DeltaLlama": "delta_llama"}[model]
+    return {
+        "AutoConfig": f"configuration_{files}.{model}Config",
+        "AutoModel": f"modeling_{files}.{model}Model",
+        **{f"AutoModelFor{head}": f"modeling_{files}.{model}For{head}" for head in HEADS},
+    }
+
+
 def assert_refused(capsys, code: int, out: Path, *needles: str, expected_code: int = 1) -> str:
     """The CLI exited with `expected_code`, left neither `out` nor a temporary or backup folder beside it, and said
     each of `needles` on stderr (returned)."""

@@ -7,6 +7,7 @@ parameters, with the inputs they are checked on."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -61,14 +62,29 @@ def readable_residuals():
 VIEW_CASES = [(d_v, mode, False) for d_v, mode in CASES] + [(4, mode, True) for mode in ("additive", "paper")]
 
 
-def residual(d_v: int, mode: str, dtype=torch.float32, **fields) -> DeltaResidual:
+def residual(d_v: int, mode: str, dtype=torch.float32, beta_open: float = 0.8, **fields) -> DeltaResidual:
+    """A DeltaResidual of `fields` in `dtype` with random weights (std 0.3, from seed 0), its gate opened to
+    `beta_open`."""
     torch.manual_seed(0)
     module = DeltaResidual(delta_config(delta_mode=mode, delta_value_channels=d_v, **fields)).to(dtype)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.3)
-        module.beta_open.fill_(0.8)
+        module.beta_open.fill_(beta_open)
     return module
+
+
+#: Every combination a whole residual's op takes: (mode, d_v, value, erase).
+COMBINATIONS = list(
+    itertools.product(("paper", "additive"), (1, 2, 4, 8), ("linear", "sigmoid", "constant"), (True, False))
+)
+
+
+def combination_residual(mode: str, channels: int, value: str, erase: bool, dim: int) -> DeltaResidual:
+    """`residual` of one of COMBINATIONS, `dim` wide, in float64, with a value scale, constant and epsilon away from
+    their defaults (so that an op that ignores one is seen) and its gate at 0.7."""
+    fields = dict(delta_value=value, delta_erase=erase, delta_value_scale=2.0, delta_value_constant=0.7, delta_eps=1e-3)
+    return residual(channels, mode, torch.float64, beta_open=0.7, n_embd=dim, **fields)
 
 
 # The value branches and the write-only ablation; "sigmoid" reads the un-normalised read (`read_of`).

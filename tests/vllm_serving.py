@@ -4,6 +4,7 @@ worker process of its own (`vllm_worker.py`), and `vllm serve` on localhost."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import importlib.util
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 import ddl_hf
-from tests.builders import BYTE_LEVEL, build_source, delta_model, gpt2_model, scramble_delta_weights
+from tests.builders import BYTE_LEVEL, BYTE_LEVEL_LLAMA, build_source, delta_model, gpt2_model, scramble_delta_weights
 from tests.gpt2_fixtures import EOS, byte_tokenizer
 from tests.workflow_utils import free_port
 
@@ -37,15 +39,7 @@ needs_vllm = pytest.mark.skipif(
 
 #: Sizes vLLM's CPU attention takes (head size 32 or more), with the byte-level tokenizer's vocabulary (257).
 LLAMA_SIZE = dict(
-    vocab_size=257,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    max_position_embeddings=128,
-    bos_token_id=EOS,
-    eos_token_id=EOS,
+    BYTE_LEVEL_LLAMA, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32
 )
 GPT2_SIZE = dict(n_embd=64, n_head=2, initializer_range=0.1)
 NEW_TOKENS = 16
@@ -174,17 +168,20 @@ def save(model: PreTrainedModel, directory: Path) -> Path:
     return directory
 
 
-def saved_cases(specs: list[tuple[str, str, dict, bool]], tmp_path_factory) -> dict[str, dict]:
-    """(case, family, overrides, stateful) -> the model saved with its tokenizer, generate's tokens for each prompt
-    and with its gates shut (the seed: the case's place in `specs`, or the first after it that keeps MARGIN)."""
+def saved_cases(
+    specs: list[tuple[str, str, dict, bool]], tmp_path_factory, prompts: list[list[int]] = PROMPTS, first_seed: int = 0
+) -> dict[str, dict]:
+    """(case, family, overrides, stateful) -> the model saved with its tokenizer, generate's tokens for each of
+    `prompts` alone, and with its gates shut (the seed: `first_seed` + the case's place in `specs`, or the first after
+    it that keeps MARGIN)."""
     result = {}
-    for seed, (case, family, overrides, stateful) in enumerate(specs):
-        model = build_clear(family, overrides, seed, stateful, PROMPTS)
+    for seed, (case, family, overrides, stateful) in enumerate(specs, start=first_seed):
+        model = build_clear(family, overrides, seed, stateful, prompts)
         directory = save(model, tmp_path_factory.mktemp(case))
-        reference = [greedy(model, prompt) for prompt in PROMPTS]
+        reference = [greedy(model, prompt) for prompt in prompts]
         shut = copy.deepcopy(model)
         shut_gates(shut)
-        shut = [greedy(shut, prompt) for prompt in PROMPTS]
+        shut = [greedy(shut, prompt) for prompt in prompts]
         result[case] = dict(directory=directory, reference=reference, shut=shut, model=model)
     return result
 
@@ -304,8 +301,20 @@ def wait_until_ready(process: subprocess.Popen, log: Path, timeout: float = 600)
     pytest.fail(f"vllm serve was not ready after {timeout:.0f} s:\n{log.read_text()[-6000:]}")
 
 
-def complete_texts(url: str, directory: Path) -> dict:
-    """The server's answer to one `/v1/completions` request for TEXTS: greedy, NEW_TOKENS each, with token ids."""
+@contextlib.contextmanager
+def serving(directory: Path, log: Path, native: bool = False) -> Iterator[subprocess.Popen]:
+    """`vllm serve` of `directory` as `start_server` starts it, ready for requests; stopped afterwards."""
+    process = start_server(directory, log, native)
+    try:
+        wait_until_ready(process, log)
+        yield process
+    finally:
+        stop(process)
+
+
+def check_completions(url: str, directory: Path, model: PreTrainedModel) -> None:
+    """The server's answer to one `/v1/completions` request for TEXTS (greedy, NEW_TOKENS each, with token ids): each
+    text answered with generate's greedy tokens for its prompt."""
     payload = dict(
         model=str(directory),  # the served model's name: its path
         prompt=TEXTS,
@@ -317,11 +326,6 @@ def complete_texts(url: str, directory: Path) -> dict:
     status, answer = http(f"{url}/v1/completions", payload, timeout=300)
     assert status == 200, answer
     assert answer["object"] == "text_completion"
-    return answer
-
-
-def check_completions(answer: dict, model: PreTrainedModel) -> None:
-    """Each of TEXTS answered with generate's greedy tokens for its prompt."""
     tokenizer = byte_tokenizer()
     choices = sorted(answer["choices"], key=lambda choice: choice["index"])
     assert len(choices) == len(TEXTS)

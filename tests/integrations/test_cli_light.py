@@ -25,6 +25,11 @@ def _run(code: str, stdin=subprocess.DEVNULL) -> tuple[subprocess.CompletedProce
     return done, time.perf_counter() - start
 
 
+def _main(argv: list[str]) -> str:
+    """Code that runs `ddl-hf` with `argv` and exits with its status."""
+    return f"import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main({argv!r}))"
+
+
 @pytest.mark.parametrize(
     ("entry", "argv", "prog"),
     [
@@ -128,7 +133,7 @@ def test_failing_commands_import_no_optional_integration(tmp_path):
         ["convert", "--quiet", "--source", "./does-not-exist", "--output", str(tmp_path / "out")],
         ["upgrade", "./does-not-exist", "--output", str(tmp_path / "up")],
     ):
-        done, optional = _optional_modules_after(f"import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main({argv!r}))")
+        done, optional = _optional_modules_after(_main(argv))
         assert done.returncode == 1, (argv, done.stderr)
         assert optional == [], argv
 
@@ -150,36 +155,31 @@ def test_peft_default_targets_are_registered_whichever_is_imported_first(order):
     assert expected in done.stdout.splitlines(), done.stdout
 
 
+def _failure_line(argv: list[str]) -> str:
+    """`ddl-hf` with `argv` in a fresh interpreter: it exits 1, and its one error line (returned)."""
+    done, _ = _run(_main(argv))
+    assert done.returncode == 1, (argv, done.stderr)
+    return _one_error_line(done.stderr)
+
+
 def test_inspect_missing_text_file_is_one_error_line(tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    done, _ = _run(
-        f"import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main(['inspect', {str(model_dir)!r}, '--text', 'missing.txt']))"
-    )
-    assert done.returncode == 1
-    line = _one_error_line(done.stderr)
+    line = _failure_line(["inspect", str(model_dir), "--text", "missing.txt"])
     assert "missing.txt" in line and "--text" in line
 
 
 def test_inspect_missing_model_directory_is_one_error_line(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello world", encoding="utf-8")
-    done, _ = _run(
-        f"import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main(['inspect', './does-not-exist', '--text', {str(text)!r}]))"
-    )
-    assert done.returncode == 1
-    line = _one_error_line(done.stderr)
+    line = _failure_line(["inspect", "./does-not-exist", "--text", str(text)])
     assert "no such model directory: ./does-not-exist" in line
 
 
 def test_inspect_non_delta_directory_is_one_error_line(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello world", encoding="utf-8")
-    done, _ = _run(
-        f"import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main(['inspect', {str(tmp_path)!r}, '--text', {str(text)!r}]))"
-    )
-    assert done.returncode == 1
-    assert "cannot inspect" in _one_error_line(done.stderr)
+    assert "cannot inspect" in _failure_line(["inspect", str(tmp_path), "--text", str(text)])
 
 
 def test_usage_errors_exit_2_with_an_error_line():
@@ -219,12 +219,7 @@ def test_hub_offline_env_skips_the_probe(monkeypatch):
 
 
 def test_convert_missing_local_source_says_no_such_directory(tmp_path):
-    done, _ = _run(
-        "import sys, ddl_hf_cli; sys.exit(ddl_hf_cli.main(['convert', '--quiet', '--source', './does-not-exist', "
-        f"'--output', {str(tmp_path / 'out')!r}]))"
-    )
-    assert done.returncode == 1
-    line = _one_error_line(done.stderr)
+    line = _failure_line(["convert", "--quiet", "--source", "./does-not-exist", "--output", str(tmp_path / "out")])
     assert "No such directory: './does-not-exist'" in line and "Hub id" in line
     assert "repo id" not in line.lower()
     assert not (tmp_path / "out").exists()

@@ -25,7 +25,7 @@ import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 from tests.builders import BYTE_LEVEL, gpt2_config
-from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, partial_save_then, record_hub_uploads
+from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, hub_auto_map, partial_save_then, record_hub_uploads
 from tests.gpt2_fixtures import (
     EOS,
     byte_tokenizer,
@@ -38,6 +38,24 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
+
+
+def python_in(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """`python *args` in a fresh process in `cwd`, stdin closed (a prompt fails rather than waits): it exits 0; its
+    result."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +89,9 @@ def converted_dir(hub_cache, tmp_path_factory) -> Path:
     """Converted once from the Hub id by the thin script in a subprocess (d_v = 4); shared by later tests."""
     out = tmp_path_factory.mktemp("converted") / "gpt2-delta"
     script = str(REPO_ROOT / "conversion" / "convert_gpt2_to_delta_gpt.py")
-    result = subprocess.run(
-        [sys.executable, script, "--source", HUB_ID, "--output", str(out), "--value-channels", "4"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)},
-    )
-    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
+    args = ["--source", HUB_ID, "--output", str(out), "--value-channels", "4"]
+    result = python_in(REPO_ROOT, script, *args, env=env, timeout=300)
     assert "Equivalence report" in result.stdout and "greedy 64 tokens identical  : True" in result.stdout
     assert "max |logit difference|       : 0.000e+00" in result.stdout
     assert "convert:" in result.stderr  # the tqdm progress display
@@ -108,15 +120,7 @@ def test_output_is_a_complete_hub_repository(converted_dir, source_dir):
 
     config = json.loads((converted_dir / "config.json").read_text())
     assert config["model_type"] == "delta_gpt" and config["delta_value_channels"] == 4
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_delta_gpt.DeltaGPTForCausalLM"
-    assert set(config["auto_map"]) == {
-        "AutoConfig",
-        "AutoModel",
-        "AutoModelForCausalLM",
-        "AutoModelForSequenceClassification",
-        "AutoModelForTokenClassification",
-        "AutoModelForQuestionAnswering",
-    }
+    assert config["auto_map"] == hub_auto_map("DeltaGPT")
     for name in DELTA_GPT_CODE:  # the shipped Hub code is the code of this checkout
         assert (converted_dir / name).read_text() == (REPO_ROOT / name).read_text()
     assert json.loads((converted_dir / "generation_config.json").read_text())["max_length"] == 77
@@ -325,25 +329,8 @@ def test_output_loads_in_a_fresh_process(converted_dir, tmp_path, mode):
     torch.save(HELD_OUT, ids_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-I",
-            "-c",
-            LOAD_SCRIPT,
-            str(converted_dir),
-            str(ids_path),
-            str(logits_path),
-            mode,
-            str(REPO_ROOT),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    args = [str(converted_dir), str(ids_path), str(logits_path), mode, str(REPO_ROOT)]
+    result = python_in(tmp_path, "-I", "-c", LOAD_SCRIPT, *args, env=env, timeout=300)
     module = result.stdout.strip().splitlines()[-1]
     if mode == "without":  # the Hub custom code copied into the transformers modules cache
         assert module.startswith("transformers_modules.") and module.endswith("modeling_delta_gpt")
@@ -625,15 +612,7 @@ def test_tokenizer_loads_without_ddl_hf_and_without_prompt(converted_dir, tmp_pa
         "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "print(type(tokenizer).__name__, tokenizer('hello world')['input_ids'])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", code, str(converted_dir)],
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = python_in(tmp_path, "-I", "-c", code, str(converted_dir))
     assert done.stdout.startswith("GPT2Tokenizer ")
     assert "ddl_hf" not in done.stderr
     assert "[y/N]" not in done.stdout + done.stderr
@@ -656,15 +635,7 @@ def test_tokenizer_loads_without_trust_remote_code_and_without_prompt(converted_
         f"import sys\n{block}from transformers import AutoTokenizer\n{load}\n"
         "print(tokenizer('hello world')['input_ids'])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(converted_dir)],
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = python_in(tmp_path, "-c", code, str(converted_dir))
     reference = AutoTokenizer.from_pretrained(converted_dir, trust_remote_code=True)
     assert done.stdout.strip() == str(reference("hello world")["input_ids"])
     # Not "stderr is empty": what other packages log at import depends on the machine (bitsandbytes on AVX512-BF16).

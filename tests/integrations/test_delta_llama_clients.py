@@ -8,9 +8,6 @@ KV cache, left padding, `Trainer` and `output_betas` are covered in `test_delta_
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, TaskType, get_peft_model
@@ -22,7 +19,7 @@ from ddl_hf import DeltaLlamaForCausalLM
 from ddl_hf.callbacks import DeltaStatsCallback, plot_beta_history
 from ddl_hf.training import DeltaTrainer, training_arguments
 from tests.builders import LLAMA_FAMILIES as FAMILIES
-from tests.builders import adapted_modules, enable_activation_checkpointing
+from tests.builders import adapted_modules, enable_activation_checkpointing, inspect_table
 from tests.builders import build_source as build_family_source
 from tests.gpt2_fixtures import EOS, byte_tokenizer
 
@@ -160,21 +157,11 @@ def test_inspect_cli_on_a_saved_delta_llama(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "delta")
     text = tmp_path / "sample.txt"
     text.write_text("If music be the food of love, play on.\n")
-    png = tmp_path / "betas.png"
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        code = ddl_hf_cli.main(["inspect", str(tmp_path / "delta"), "--text", str(text), "--output", str(png)])
-    assert code == 0
-    rows = {line.split()[0]: line.split() for line in stdout.getvalue().splitlines() if line.startswith("L")}
-    assert set(rows) == set(BLOCKS)
-    assert rows["L0.attn"][-1] == "keeps" and float(rows["L0.attn"][1]) == 0.0
-    assert rows["L0.mlp"][-1] == "forgets" and float(rows["L0.mlp"][1]) == pytest.approx(1.0, abs=1e-3)
-    assert rows["L1.mlp"][-1] == "reflects" and float(rows["L1.mlp"][1]) == pytest.approx(1.964, abs=1e-3)
+    rows = inspect_table(tmp_path / "delta", text, tmp_path / "betas.png")
     ids = torch.tensor([list(text.read_bytes())])
     with torch.no_grad():
         attn_mean = float(model(ids, output_betas=True).betas[2].mean())
     assert float(rows["L1.attn"][1]) == pytest.approx(attn_mean, abs=1e-3)  # the model's own betas
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_inspect_without_a_saved_tokenizer_asks_for_one(tmp_path, capsys):

@@ -27,24 +27,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
+from tests.builders import BYTE_LEVEL_LLAMA, build_source
 from tests.builders import LLAMA_FAMILIES as FAMILIES
-from tests.builders import build_source
-from tests.conversion_runs import DELTA_LLAMA_CODE, assert_refused, partial_save_then
+from tests.conversion_runs import DELTA_LLAMA_CODE, assert_refused, hub_auto_map, partial_save_then
 from tests.gpt2_fixtures import byte_tokenizer, text_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EOS = 256  # the byte tokenizer's <|endoftext|>
-#: builders' LLAMA_TINY with the byte tokenizer's vocabulary and a context that holds 128 tokens of the sample text.
-SIZE = dict(vocab_size=257, max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS)
 FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 HELD_OUT = text_ids(SAMPLE_TEXT)[:, :128]
 HUB_ID = "someone/tiny-mistral"
 
 
 def build(family: str) -> PreTrainedModel:
-    return build_source(family, **SIZE)
+    """builders' LLAMA_TINY with the byte tokenizer's vocabulary and a context that holds HELD_OUT (128 tokens)."""
+    return build_source(family, **BYTE_LEVEL_LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +113,7 @@ def test_output_is_a_complete_hub_repository(family, converted, source_dirs):
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "delta_llama" and config["source_model_type"] == family
-    assert config["auto_map"] == {
-        "AutoConfig": "configuration_delta_llama.DeltaLlamaConfig",
-        "AutoModel": "modeling_delta_llama.DeltaLlamaModel",
-        "AutoModelForCausalLM": "modeling_delta_llama.DeltaLlamaForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_delta_llama.DeltaLlamaForSequenceClassification",
-        "AutoModelForTokenClassification": "modeling_delta_llama.DeltaLlamaForTokenClassification",
-        "AutoModelForQuestionAnswering": "modeling_delta_llama.DeltaLlamaForQuestionAnswering",
-    }
+    assert config["auto_map"] == hub_auto_map("DeltaLlama")
     for name in DELTA_LLAMA_CODE:  # the shipped Hub code is the code of this checkout
         assert (out / name).read_text() == (REPO_ROOT / name).read_text(), name
     assert json.loads((out / "generation_config.json").read_text())["max_length"] == 77

@@ -12,34 +12,22 @@ import pytest
 import torch
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
-from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM, delta_net_ops
+from ddl_hf import DeltaGPTForCausalLM, delta_net_ops
 from ddl_hf.delta_compat import DELTA_NET_DYNAMIC_EXPORT, DELTA_NET_DYNAMIC_EXPORT_TORCH, cache_of
 from ddl_hf.delta_net import DeltaNetCache
 from ddl_hf.delta_net_ops import delta_rule_chunkwise, delta_rule_recurrent, unit_lower_triangular_inverse
-from tests.builders import delta_net_inputs, packed_row
+from tests.builders import DELTA_NET, delta_model, delta_net_inputs, packed_row, train_steps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 61
+VOCAB = DELTA_NET["vocab_size"]
 
 
 def tiny_model(seed: int = 0, **overrides) -> DeltaGPTForCausalLM:
-    fields = dict(
-        vocab_size=VOCAB,
-        n_positions=96,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        token_mixer="delta_net",
-        delta_net_chunk_size=8,  # several chunks (and padding) at test lengths
-        delta_beta_init=0.5,  # Delta residuals open, so the DeltaNet output matters everywhere
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(seed)
-    model = DeltaGPTForCausalLM(DeltaGPTConfig(**(fields | overrides))).eval()
-    with torch.no_grad():  # a visible short conv (the HF init makes it tiny), so a window across documents shows
+    """builders' DELTA_NET model (several chunks at test lengths, Delta residuals open) with a visible short conv (the
+    HF init makes it tiny), so that a window across documents shows."""
+    model = delta_model(DELTA_NET, seed=seed, **overrides)
+    with torch.no_grad():
         for block in model.transformer.h:
             if hasattr(block.attn, "conv1d"):
                 block.attn.conv1d.weight.normal_(std=0.5)
@@ -252,23 +240,10 @@ def test_bf16_autocast_forward_and_backward_match_float32():
 
 
 def test_trainer_bf16_step(tmp_path):
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
-
     model = tiny_model(seed=2).train()
     ids = torch.randint(0, VOCAB, (8, 24))
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        bf16=True,
-        use_cpu=True,
-        save_strategy="no",
-        report_to=[],
-    )
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     before = model.transformer.h[0].attn.q_proj.weight.detach().clone()
-    result = Trainer(model=model, args=args, train_dataset=dataset).train()
+    result = train_steps(model, ids, tmp_path, max_steps=2, per_device_train_batch_size=4, bf16=True)
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, model.transformer.h[0].attn.q_proj.weight.detach())
 

@@ -37,15 +37,14 @@ from tests.vllm_serving import (
     PROMPTS,
     build,
     check_completions,
-    complete_texts,
     greedy,
     needs_vllm,
     run_worker,
     save,
     saved_cases,
+    serving,
     start_server,
     stop,
-    wait_until_ready,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -128,18 +127,13 @@ SERVED = "gpt2-paper-dv4-cc-sigmoid-shared-read"
 
 @pytest.fixture(scope="module")
 def server(cases, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    process = start_server(cases[SERVED]["directory"], log)
-    try:
-        wait_until_ready(process, log)
+    with serving(cases[SERVED]["directory"], tmp_path_factory.mktemp("vllm-serve") / "server.log") as process:
         yield process
-    finally:
-        stop(process)
 
 
 @needs_vllm
 def test_vllm_serve_answers_a_completion_request_with_generates_tokens(server, cases):
-    check_completions(complete_texts(server.url, cases[SERVED]["directory"]), cases[SERVED]["model"])
+    check_completions(server.url, cases[SERVED]["directory"], cases[SERVED]["model"])
 
 
 @needs_vllm

@@ -28,19 +28,15 @@ from tests.gpt2_fixtures import EOS
 from tests.vllm_serving import (
     EXACT,
     LLAMA_SIZE,
+    NEW_TOKENS,
     PROMPTS,
     build,
-    build_clear,
     check_completions,
-    complete_texts,
-    greedy,
     needs_vllm,
     run_worker,
     save,
     saved_cases,
-    start_server,
-    stop,
-    wait_until_ready,
+    serving,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,7 +60,6 @@ COMPILED = ["llama-paper-dv4-tc", "qwen3-paper-dv4-cc-ec", "gpt2-paper-dv4-tc"]
 SHARED = torch.randint(0, EOS, (40,), generator=torch.Generator().manual_seed(40)).tolist()
 LONG = [[*SHARED, 7, 8, 9, 10, 11], [*SHARED, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 ALL_PROMPTS = PROMPTS + LONG
-NEW_TOKENS = 16
 #: vLLM's own choice of implementation (ddl-hf's registered model when the plugin is loaded), without remote code:
 #: ddl-hf's config classes read the config.
 NATIVE_ENGINE = dict(model_impl="auto", trust_remote_code=False)
@@ -78,13 +73,8 @@ CHUNKED_AND_CACHED = dict(
 @pytest.fixture(scope="module")
 def native_cases(tmp_path_factory) -> dict[str, dict]:
     """Every model saved, with generate's tokens for each prompt alone."""
-    result = {}
-    for seed, (case, (family, overrides)) in enumerate(NATIVE.items()):
-        model = build_clear(family, overrides, seed + 100, True, ALL_PROMPTS)
-        directory = save(model, tmp_path_factory.mktemp(case))
-        reference = [greedy(model, p, NEW_TOKENS) for p in ALL_PROMPTS]
-        result[case] = dict(directory=directory, reference=reference, model=model)
-    return result
+    specs = [(case, family, overrides, True) for case, (family, overrides) in NATIVE.items()]
+    return saved_cases(specs, tmp_path_factory, ALL_PROMPTS, first_seed=100)
 
 
 def job(directory, engine: dict, mutant: str | None = None) -> dict:
@@ -196,16 +186,10 @@ def test_vllm_serve_answers_with_generates_tokens_for_a_tc_model(native_cases, t
     """`vllm serve dir` as a user with ddl-hf installed runs it: no `--model-impl`, vLLM's default (compiled) mode,
     the OpenAI-compatible server on localhost. A TC model, refused by the Transformers backend, answers a completion
     request of three text prompts with generate's tokens."""
-    case = native_cases["llama-paper-dv4-tc"]
-    log = tmp_path / "server.log"
-    process = start_server(case["directory"], log, native=True)
-    try:
-        wait_until_ready(process, log)
-        answer = complete_texts(process.url, case["directory"])
-    finally:
-        stop(process)
+    case, log = native_cases["llama-paper-dv4-tc"], tmp_path / "server.log"
+    with serving(case["directory"], log, native=True) as process:
+        check_completions(process.url, case["directory"], case["model"])
     assert "ddl-hf: serving DeltaLlamaForCausalLM natively" in log.read_text()
-    check_completions(answer, case["model"])
 
 
 @needs_vllm

@@ -19,7 +19,7 @@ from ddl_hf import ConversionError, DeltaLlamaConfig, DeltaLlamaForCausalLM
 from ddl_hf.delta_compat import cache_of
 from tests.builders import LLAMA_FAMILIES as FAMILIES
 from tests.builders import LLAMA_TINY as TINY
-from tests.builders import VOCAB, build_source, random_ids, to_delta
+from tests.builders import VOCAB, build_source, random_ids, to_delta, train_steps
 from tests.builders import open_llama_gates as open_gates
 from tests.conversion_runs import DELTA_LLAMA_CODE
 from tests.greedy import greedy_reference
@@ -276,23 +276,9 @@ def test_convert_refuses_bad_input_with_the_fix(tmp_path):
 
 def test_trainer_step_moves_delta_parameters(tmp_path):
     """One optimizer step through the model's loss (`self.loss_function`) with transformers' Trainer."""
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
-
     model = to_delta(build_source("mistral"), delta_beta_init=0.5).train()
     before = {name: p.detach().clone() for name, p in model.delta_parameters().items()}
-    ids = random_ids(8, 10)
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-    )
-    Trainer(model=model, args=args, train_dataset=data).train()
+    train_steps(model, random_ids(8, 10), tmp_path, max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2)
     moved = [name for name, p in model.delta_parameters().items() if not torch.equal(p.detach(), before[name])]
     assert any(".beta_proj." in name for name in moved) and any(".v_proj." in name for name in moved)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, DynamicCache, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 import ddl_hf  # noqa: F401  (registers the Auto classes)
@@ -13,7 +12,7 @@ from ddl_hf import DeltaGPTConfig, DeltaGPTForCausalLM
 from ddl_hf.delta_compat import cache_of
 from ddl_hf.delta_net import DeltaNetAttention, DeltaNetCache
 from ddl_hf.delta_net_ops import delta_rule_recurrent
-from tests.builders import DELTA_NET, delta_config, delta_model, enable_activation_checkpointing
+from tests.builders import DELTA_NET, delta_config, delta_model, enable_activation_checkpointing, train_steps
 from tests.greedy import greedy_reference
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -242,18 +241,9 @@ def test_trainer_steps_update_the_delta_net_weights(tmp_path):
     model = delta_model(DELTA_NET, seed=2).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
     ids = torch.randint(0, VOCAB, (16, 24))
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        logging_steps=1,
+    result = train_steps(
+        model, ids, tmp_path, max_steps=3, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=1
     )
-    result = Trainer(model=model, args=args, train_dataset=dataset).train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     changed = [n for n, p in model.named_parameters() if n in before and not torch.equal(before[n], p.detach())]
     for part in ("q_proj", "k_proj", "v_proj", "b_proj", "conv1d", "o_norm", "o_proj"):

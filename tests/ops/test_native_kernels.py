@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import itertools
 import sys
 
 import pytest
@@ -55,10 +54,12 @@ from tests.builders import (
 from tests.builders import open_llama_gates as llama_open_gates
 from tests.greedy import assert_generations_match
 from tests.residual_references import (
+    COMBINATIONS,
     EPS,
     VALUE_FIELDS,
     VIEW_CASES,
     assert_one_token_matches_the_float64_reference,
+    combination_residual,
     dense_reference,
     inputs,
     make_inputs,
@@ -264,25 +265,7 @@ class QuantizedLinear(torch.nn.Linear):
 # ---- a whole residual as one op (training) ------------------------------------------------------------------------
 
 EPS64 = torch.finfo(torch.float64).eps
-COMBINATIONS = list(
-    itertools.product(("paper", "additive"), (1, 2, 4, 8), ("linear", "sigmoid", "constant"), (True, False))
-)
 OP_DIM, OP_SHAPE = 24, (3, 7)
-
-
-def combination_module(mode: str, channels: int, value: str, erase: bool) -> DeltaResidual:
-    """A DeltaResidual (its config says "auto": the CPU's tensor ops) with random weights, in float64."""
-    config = delta_config(
-        n_embd=OP_DIM, delta_mode=mode, delta_value_channels=channels, delta_value=value, delta_erase=erase,
-        delta_value_scale=2.0, delta_value_constant=0.7, delta_eps=1e-3,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    module = DeltaResidual(config).double()
-    for parameter in module.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    with torch.no_grad():
-        module.beta_open.fill_(0.7)
-    return module
 
 
 def op_run(use_op: bool, module: DeltaResidual, dtypes: tuple, weights_dtype: torch.dtype) -> list:
@@ -314,7 +297,7 @@ def test_the_residual_op_matches_the_tensor_ops(kernels, combination):
     tensor ops, values and every gradient. float64: within a D = 24 dot product's rounding with a margin. float32 and
     autocast's mixed dtypes (a float32 state beside bf16 x, c and h): no further from the float64 result than 4 times
     the tensor ops in the same dtypes (at least a few roundings of float32 / bf16)."""
-    module = combination_module(*combination)
+    module = combination_residual(*combination, dim=OP_DIM)
     f64 = (torch.float64,) * 4
     reference = op_run(False, module, f64, torch.float64)
     assert largest_error(op_run(True, module, f64, torch.float64), reference) <= 64 * OP_DIM * EPS64
@@ -329,7 +312,7 @@ def test_the_residual_op_matches_the_tensor_ops(kernels, combination):
 @pytest.mark.parametrize("combination", [("paper", 4, "sigmoid", True), ("additive", 1, "linear", False),
                                          ("paper", 2, "constant", True)])  # fmt: skip
 def test_the_residual_op_passes_gradcheck(kernels, combination):
-    module = combination_module(*combination)
+    module = combination_residual(*combination, dim=OP_DIM)
     weights = module.step_weights()
     channels = module.value_channels
     g = torch.Generator().manual_seed(3)

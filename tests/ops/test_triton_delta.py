@@ -37,27 +37,16 @@ pytestmark = pytest.mark.skipif(
 COMMON = """
 import itertools, json, torch
 import ddl_hf.triton_delta as triton_delta
-from tests.builders import delta_config
-from ddl_hf.delta_layers import DeltaResidual
+from tests.residual_references import COMBINATIONS, combination_residual
 
 # Blocks smaller than the shapes below, so that tokens and the hidden dim cross block edges (masked tails).
 triton_delta.launch.BLOCK_HIDDEN, triton_delta.launch.BLOCK_TOKENS = 16, 8
 DIM, SHAPE = 24, (3, 7)
 assert triton_delta.launch.blocks(DIM, 4) == dict(BLOCK_N=8, BLOCK_D=16, BLOCK_V=4)  # what every launch reads
-COMBINATIONS = list(itertools.product(("paper", "additive"), (1, 2, 4, 8), ("linear", "sigmoid", "constant"),
-                                      (True, False)))
 
 
-def module(mode, channels, value, erase, seed=0):
-    config = delta_config(n_embd=DIM, delta_mode=mode, delta_value_channels=channels, delta_value=value,
-                          delta_erase=erase, delta_value_scale=2.0, delta_value_constant=0.7, delta_eps=1e-3)
-    torch.manual_seed(seed)
-    m = DeltaResidual(config).double()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    with torch.no_grad():
-        m.beta_open.fill_(0.7)
-    return m
+def module(mode, channels, value, erase):
+    return combination_residual(mode, channels, value, erase, dim=DIM)
 
 
 def inputs(channels, seed=1):
