@@ -257,27 +257,28 @@ def read_source_config(source: str | os.PathLike, kind: str = "GPT-2") -> PreTra
         ) from error
 
 
-def load_gpt2(
-    source: str | os.PathLike, dtype: str | torch.dtype | None = "auto", config: PreTrainedConfig | None = None
-) -> GPT2LMHeadModel:
-    """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2.
+def load_exactly(
+    model_class: type[PreTrainedModel], name: str, dtype: str | torch.dtype | None, what: str
+) -> PreTrainedModel:
+    """`model_class.from_pretrained(name)` in eval mode, refusing (ConversionError) a checkpoint whose weights do not
+    match its config exactly. `what` names the model in the message ("a GPT2LMHeadModel").
 
     `from_pretrained` on its own would silently initialise missing weights and drop unexpected ones; a conversion
     that claims equivalence must instead refuse and list them.
     """
-    name = os.fspath(source)
-    config = read_source_config(name, "GPT-2") if config is None else config  # given: read once by the caller
-    _check_gpt2_config(config, repr(name))
-    hub = hub_kwargs(name)
     try:
         with _quiet_transformers():
             # ignore_mismatched_sizes: report wrongly shaped weights by name below instead of a bare error.
-            model, info = GPT2LMHeadModel.from_pretrained(
-                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True, **hub
+            model, info = model_class.from_pretrained(
+                name,
+                dtype=_resolve_dtype(dtype),
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                **hub_kwargs(name),
             )
     except (OSError, RuntimeError, ValueError) as error:
         raise ConversionError(
-            f"Cannot load GPT-2 weights from {name!r}: {error}\n"
+            f"Cannot load the weights of {what} from {name!r}: {error}\n"
             "Check that the directory holds model.safetensors (or pytorch_model.bin) matching its config.json."
         ) from error
     problems = []
@@ -290,13 +291,24 @@ def load_gpt2(
         problems.append(f"weights with the wrong shape: {', '.join(shapes)}")
     if problems:
         raise ConversionError(
-            f"{name!r} does not hold exactly the weights of a GPT2LMHeadModel for its config: "
+            f"{name!r} does not hold exactly the weights of {what} for its config: "
             + "; ".join(problems)
             + ". Converting it would not start from the source's function. Re-save the source with "
-            "GPT2LMHeadModel.save_pretrained (or fix config.json so it matches the weights)."
+            "save_pretrained (or fix config.json so it matches the weights)."
         )
-    logger.info(f"Loaded GPT-2 {name!r} ({model.config.n_layer} layers, dtype {model.dtype}).")
     return model.eval()
+
+
+def load_gpt2(
+    source: str | os.PathLike, dtype: str | torch.dtype | None = "auto", config: PreTrainedConfig | None = None
+) -> GPT2LMHeadModel:
+    """Load a GPT-2 LM from a Hub id or a directory, refusing anything that is not exactly GPT-2 (`load_exactly`)."""
+    name = os.fspath(source)
+    config = read_source_config(name, "GPT-2") if config is None else config  # given: read once by the caller
+    _check_gpt2_config(config, repr(name))
+    model = load_exactly(GPT2LMHeadModel, name, dtype, "a GPT2LMHeadModel")
+    logger.info(f"Loaded GPT-2 {name!r} ({model.config.n_layer} layers, dtype {model.dtype}).")
+    return model
 
 
 def convert_gpt2(source: str | os.PathLike | GPT2LMHeadModel, **config_overrides) -> DeltaGPTForCausalLM:

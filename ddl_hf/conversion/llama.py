@@ -17,10 +17,8 @@ from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from ..modeling_delta_llama import DeltaLlamaForCausalLM
 from .converting import (
     CHECKPOINT_KEYS,
-    _quiet_transformers,
-    _resolve_dtype,
     from_state_dict,
-    hub_kwargs,
+    load_exactly,
     read_source_config,
     source_weights,
 )
@@ -86,28 +84,7 @@ def load_llama_family(
     name = os.fspath(source)
     config = read_source_config(name, "Llama-family") if config is None else config  # given: read by the caller
     _check_family_config(config, repr(name))
-    hub = hub_kwargs(name)
-    try:
-        with _quiet_transformers():
-            model, info = AutoModelForCausalLM.from_pretrained(
-                name, dtype=_resolve_dtype(dtype), output_loading_info=True, ignore_mismatched_sizes=True, **hub
-            )
-    except (OSError, RuntimeError, ValueError) as error:
-        raise ConversionError(f"Cannot load weights from {name!r}: {error}") from error
-    problems = [f"{kind} {sorted(map(str, info[key]))}" for key, kind in _LOAD_PROBLEMS if info[key]]
-    if problems:
-        raise ConversionError(
-            f"{name!r} does not hold exactly the weights of its config's model: {'; '.join(problems)}. Converting "
-            "it would not start from the source's function; re-save the source with save_pretrained."
-        )
-    return model.eval()
-
-
-_LOAD_PROBLEMS = (
-    ("missing_keys", "missing weights"),
-    ("unexpected_keys", "unexpected weights"),
-    ("mismatched_keys", "weights with the wrong shape"),
-)
+    return load_exactly(AutoModelForCausalLM, name, dtype, f"a {config.model_type} causal LM")
 
 
 def convert_llama(source: str | os.PathLike | PreTrainedModel, **config_overrides) -> DeltaLlamaForCausalLM:
