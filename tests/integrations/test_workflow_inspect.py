@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ddl_hf
-import ddl_hf_cli
 from ddl_hf.inspection import beta_map
+from tests.builders import inspect_table
 from tests.workflow_utils import load_example, tiny_gpt2_dir
 
 
@@ -40,18 +40,7 @@ def test_inspect_cli_table_and_heatmap(delta_dir, tmp_path):
     tmp, model = delta_dir
     text = tmp_path / "sample.txt"
     text.write_text("If music be the food of love, play on;\nGive me excess of it, that, surfeiting,\n")
-    png = tmp_path / "betas.png"
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        code = ddl_hf_cli.main(["inspect", str(tmp / "delta"), "--text", str(text), "--output", str(png)])
-    assert code == 0
-    printed = stdout.getvalue()
-    rows = {line.split()[0]: line.split() for line in printed.splitlines() if line.startswith("L")}
-    assert set(rows) == {"L0.attn", "L0.mlp", "L1.attn", "L1.mlp"}
-    assert rows["L0.attn"][-1] == "keeps" and float(rows["L0.attn"][1]) == 0.0
-    assert rows["L0.mlp"][-1] == "forgets" and float(rows["L0.mlp"][1]) == pytest.approx(1.0, abs=1e-3)
-    assert rows["L1.mlp"][-1] == "reflects" and float(rows["L1.mlp"][1]) == pytest.approx(1.964, abs=1e-3)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    inspect_table(tmp / "delta", text, tmp_path / "betas.png")
 
     # The map is the model's own betas for these tokens (independent path: a direct forward).
     from transformers import AutoTokenizer
