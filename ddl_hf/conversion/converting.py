@@ -266,12 +266,13 @@ def load_exactly(
     `from_pretrained` on its own would silently initialise missing weights and drop unexpected ones; a conversion
     that claims equivalence must instead refuse and list them.
     """
+    dtype = _resolve_dtype(dtype)  # an unknown name is its own error, not a failed load
     try:
         with _quiet_transformers():
             # ignore_mismatched_sizes: report wrongly shaped weights by name below instead of a bare error.
             model, info = model_class.from_pretrained(
                 name,
-                dtype=_resolve_dtype(dtype),
+                dtype=dtype,
                 output_loading_info=True,
                 ignore_mismatched_sizes=True,
                 **hub_kwargs(name),

@@ -7,10 +7,10 @@
 Sizes: batch 1, 4 heads, d_k = d_v = 64 (one layer of a 256-wide model), float32, `--threads` CPU threads (default 1:
 the numbers stay comparable on a shared machine). Every (method, pass) runs in a fresh subprocess (its own allocator
 and peak-memory counter, untouched by the other methods), warmed up on T = 64; `--methods` and `--passes` pick some
-of them (a selection, like `--quick`, writes only with --out). Time: the best of several runs. Memory, measured after
-all timings: peak resident memory above the resident memory before one more call (VmHWM, reset through
-/proc/self/clear_refs; glibc malloc is then told to mmap every block >= 64 KiB and to trim, so that freed tensors
-leave RSS and every length starts from the same baseline).
+of them (a selection, like `--quick`, writes only with --out, as *_selection.*). Time: the best of several runs.
+Memory, measured after all timings: peak resident memory above the resident memory before one more call (VmHWM, reset
+through /proc/self/clear_refs; glibc malloc is then told to mmap every block >= 64 KiB and to trim, so that freed
+tensors leave RSS and every length starts from the same baseline).
 Generation: a 2-layer DeltaGPT (n_embd 256, 4 heads) with each token mixer; after prefilling L tokens, the median
 time of 16 single-token steps with the cache, and the size of the cache. Training: the same two models (same Delta
 residuals, only the token mixer differs), one training step (forward, backward, AdamW) at batch 1 and T = 256 and
@@ -303,9 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     results["wall_s"] = time.perf_counter() - started
     report = markdown(results)
     print(report)
-    whole = not args.quick and (methods, passes) == (list(METHODS), list(PASSES))
-    if whole or args.out is not None:  # a smoke run or a selection writes only where asked, never over the results
-        write_results(args.out or RESULTS, "delta_net_bench" + "_quick" * args.quick, results, report)
+    selection = (methods, passes) != (list(METHODS), list(PASSES))
+    if not (args.quick or selection) or args.out is not None:  # a smoke run or a selection: only where asked,
+        stem = "delta_net_bench" + "_quick" * args.quick + "_selection" * selection  # never over the results
+        write_results(args.out or RESULTS, stem, results, report)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    steps = args.steps or (bench_pretrain.PRESETS["quick"].steps if args.quick else 300)
+    steps = args.steps if args.steps is not None else bench_pretrain.PRESETS["quick"].steps if args.quick else 300
     bench_args = bench_pretrain.parse_args(
         ["--workers", "0", "--steps", str(steps), *(["--quick"] * args.quick)]
         + ["--cache-dir", args.cache_dir] * bool(args.cache_dir)

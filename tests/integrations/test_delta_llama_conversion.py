@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
-from tests.builders import BYTE_LEVEL_LLAMA, build_source
+from tests.builders import BYTE_LEVEL_LLAMA, TINY, build_source, gpt2_model
 from tests.builders import LLAMA_FAMILIES as FAMILIES
 from tests.conversion_runs import DELTA_LLAMA_CODE, assert_refused, hub_auto_map, partial_save_then
 from tests.gpt2_fixtures import byte_tokenizer, text_ids
@@ -360,6 +360,38 @@ def test_quantized_source_is_refused(source_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     code = run_convert("--source", str(quantized), "--output", str(out))
     assert_refused(capsys, code, out, "is quantized", "Convert the original float checkpoint")
+
+
+def test_missing_unexpected_and_misshaped_weights_are_listed(source_dirs, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(source_dirs["llama"], broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    weights["model.extra.weight"] = torch.zeros(3)
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    code = run_convert("--source", str(broken), "--output", str(out))
+    missing, unexpected = "model.layers.1.mlp.up_proj.weight", "model.extra.weight"
+    assert_refused(capsys, code, out, f"missing weights: {missing}", f"unexpected weights: {unexpected}")
+
+    config = json.loads((source_dirs["llama"] / "config.json").read_text())
+    shutil.copytree(source_dirs["llama"], tmp_path / "misshaped")
+    intermediate = config["intermediate_size"]
+    config["intermediate_size"] = intermediate // 2  # the weights were saved with the full width
+    (tmp_path / "misshaped" / "config.json").write_text(json.dumps(config))
+    code = run_convert("--source", str(tmp_path / "misshaped"), "--output", str(out))
+    width = config["hidden_size"]
+    shapes = f"[{intermediate}, {width}] in the checkpoint, [{intermediate // 2}, {width}] for config.json"
+    assert_refused(capsys, code, out, f"model.layers.0.mlp.up_proj.weight {shapes}")
+
+
+def test_an_unknown_dtype_is_refused_by_name_before_loading(source_dirs, tmp_path):
+    """Both families' loaders (`load_exactly`): the dtype's own error, not a failed load's advice."""
+    gpt2_model(TINY).save_pretrained(tmp_path / "gpt2")
+    for convert, source in ((ddl_hf.convert_llama, source_dirs["llama"]), (ddl_hf.convert_gpt2, tmp_path / "gpt2")):
+        with pytest.raises(ConversionError) as refused:
+            convert(source, dtype="float64")
+        assert str(refused.value) == "Unsupported dtype 'float64': use one of auto, float32, float16, bfloat16."
 
 
 def test_delta_llama_source_is_refused(converted, tmp_path, capsys):

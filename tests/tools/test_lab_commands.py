@@ -32,7 +32,7 @@ COMMANDS = {
         "ddl_lab.benchmarks.bench_delta_net",
         # --quick alone starts a process per method and pass, six of them (a minute): one of them, the same code
         ["--quick", "--methods", "chunkwise", "--passes", "forward"],
-        "delta_net_bench_quick",
+        "delta_net_bench_quick_selection",
         None,
     ),
     "bench_vllm_routes": ("ddl_lab.benchmarks.bench_vllm_routes", ["--rounds", "1"], "vllm_routes", "vllm"),
