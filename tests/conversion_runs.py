@@ -1,5 +1,6 @@
 """What the conversion tests share: the Hub code files a saved model ships, a refused conversion leaves nothing
-behind, a save that fails halfway, and the Hub API replaced by a recorder of what an upload sends (no network here)."""
+behind, a source whose weights do not match its config, a save that fails halfway, and the Hub API replaced by a
+recorder of what an upload sends (no network here)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from safetensors.torch import load_file, save_file
 
 #: The Hub code a saved DeltaGPT ships beside its weights (the root files it imports, relatively).
 DELTA_GPT_CODE = (
@@ -54,6 +57,18 @@ def assert_refused(capsys, code: int, out: Path, *needles: str, expected_code: i
     for needle in needles:
         assert needle in err, (needle, err)
     return err
+
+
+def with_weights_changed(source: Path, target: Path, drop: str, add: str) -> Path:
+    """A copy of the saved checkpoint `source` at `target` whose weights lack `drop` and hold an extra `add`."""
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    weights = load_file(target / "model.safetensors")
+    del weights[drop]
+    weights[add] = torch.zeros(3)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
 
 
 def partial_save_then(error: BaseException) -> Callable[..., None]:

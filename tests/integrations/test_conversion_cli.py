@@ -18,14 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 import ddl_hf
 import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError, atomic_directory
 from tests.builders import BYTE_LEVEL, gpt2_config
-from tests.conversion_runs import DELTA_GPT_CODE, assert_refused, hub_auto_map, partial_save_then, record_hub_uploads
+from tests.conversion_runs import (
+    DELTA_GPT_CODE,
+    assert_refused,
+    hub_auto_map,
+    partial_save_then,
+    record_hub_uploads,
+    with_weights_changed,
+)
 from tests.gpt2_fixtures import (
     EOS,
     byte_tokenizer,
@@ -369,23 +376,11 @@ def test_missing_source_is_refused(tmp_path, capsys):
 
 
 def test_missing_and_unexpected_weights_are_listed(source_dir, tmp_path, capsys):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in source_dir.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    weights = load_file(broken / "model.safetensors")
-    del weights["transformer.h.1.mlp.c_fc.weight"]
-    weights["transformer.h.0.adapter.weight"] = torch.zeros(3)
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    missing, unexpected = "transformer.h.1.mlp.c_fc.weight", "transformer.h.0.adapter.weight"
+    broken = with_weights_changed(source_dir, tmp_path / "broken", drop=missing, add=unexpected)
     out = tmp_path / "out"
     code = run_convert("--source", str(broken), "--output", str(out))
-    assert_refused(
-        capsys,
-        code,
-        out,
-        "missing weights: transformer.h.1.mlp.c_fc.weight",
-        "unexpected weights: transformer.h.0.adapter.weight",
-    )
+    assert_refused(capsys, code, out, f"missing weights: {missing}", f"unexpected weights: {unexpected}")
 
 
 def test_wrongly_shaped_weights_are_listed(tmp_path, capsys):

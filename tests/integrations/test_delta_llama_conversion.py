@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 import ddl_hf
@@ -29,7 +29,13 @@ import ddl_hf_cli as cli
 from ddl_hf.conversion import SAMPLE_TEXT, ConversionError
 from tests.builders import BYTE_LEVEL_LLAMA, TINY, build_source, gpt2_model
 from tests.builders import LLAMA_FAMILIES as FAMILIES
-from tests.conversion_runs import DELTA_LLAMA_CODE, assert_refused, hub_auto_map, partial_save_then
+from tests.conversion_runs import (
+    DELTA_LLAMA_CODE,
+    assert_refused,
+    hub_auto_map,
+    partial_save_then,
+    with_weights_changed,
+)
 from tests.gpt2_fixtures import byte_tokenizer, text_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -363,15 +369,10 @@ def test_quantized_source_is_refused(source_dirs, tmp_path, capsys):
 
 
 def test_missing_unexpected_and_misshaped_weights_are_listed(source_dirs, tmp_path, capsys):
-    broken = tmp_path / "broken"
-    shutil.copytree(source_dirs["llama"], broken)
-    weights = load_file(broken / "model.safetensors")
-    del weights["model.layers.1.mlp.up_proj.weight"]
-    weights["model.extra.weight"] = torch.zeros(3)
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    missing, unexpected = "model.layers.1.mlp.up_proj.weight", "model.extra.weight"
+    broken = with_weights_changed(source_dirs["llama"], tmp_path / "broken", drop=missing, add=unexpected)
     out = tmp_path / "out"
     code = run_convert("--source", str(broken), "--output", str(out))
-    missing, unexpected = "model.layers.1.mlp.up_proj.weight", "model.extra.weight"
     assert_refused(capsys, code, out, f"missing weights: {missing}", f"unexpected weights: {unexpected}")
 
     config = json.loads((source_dirs["llama"] / "config.json").read_text())
