@@ -12,7 +12,8 @@ import copy
 import dataclasses
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -153,6 +154,16 @@ def materialize_meta_parameters(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def loading_problems(info: dict[str, Any], may_lack: Iterable[str] = ()) -> list[str]:
+    """What transformers' loading report (`output_loading_info=True`) says did not fit, a phrase per kind: the missing
+    weights (but those in `may_lack`), the unexpected ones, and the misshaped ones with both shapes."""
+    missing = sorted(set(info["missing_keys"]) - set(may_lack))
+    shapes = [_describe_mismatch(entry) for entry in sorted(info["mismatched_keys"], key=str)]
+    found = {"missing weights": missing, "unexpected weights": sorted(info["unexpected_keys"])}
+    found["weights with the wrong shape"] = shapes
+    return [f"{kind}: {', '.join(names)}" for kind, names in found.items() if names]
+
+
 def source_weights(
     source: PreTrainedModel, dtype: str | torch.dtype | None, share_weights: bool
 ) -> tuple[str | torch.dtype, dict[str, torch.Tensor]]:
@@ -172,22 +183,21 @@ def from_state_dict(
     like: PreTrainedModel,
 ) -> tuple[PreTrainedModel, list[str]]:
     """`model_class(config)` holding `state_dict`, with `like`'s generation config and train mode, and what did not
-    fit: a phrase per kind ("missing [...]", "unexpected [...]", "wrong shape [...]"), [] when everything did.
+    fit (`loading_problems`; [] when everything did).
 
     Built as `from_pretrained` builds a model from a state dict: on the meta device, initialising only what the state
     dict lacks, so this is fast even for gpt2-xl. A Delta model's Delta parameters are the only keys it may lack.
     """
     with _quiet_transformers():
         model, info = model_class.from_pretrained(
-            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
+            None,
+            config=config,
+            state_dict=state_dict,
+            dtype=dtype,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # a misshaped weight: named below, not a bare error
         )
-    new = model.delta_parameters() if hasattr(model, "delta_parameters") else {}
-    kinds = {
-        "missing": sorted(set(info["missing_keys"]) - set(new)),
-        "unexpected": sorted(info["unexpected_keys"]),
-        "wrong shape": sorted(map(str, info["mismatched_keys"])),
-    }
-    problems = [f"{kind} {keys}" for kind, keys in kinds.items() if keys]
+    problems = loading_problems(info, may_lack=model.delta_parameters() if hasattr(model, "delta_parameters") else ())
     model.generation_config = copy.deepcopy(like.generation_config)
     return materialize_meta_parameters(model).train(like.training), problems
 
@@ -282,14 +292,7 @@ def load_exactly(
             f"Cannot load the weights of {what} from {name!r}: {error}\n"
             "Check that the directory holds model.safetensors (or pytorch_model.bin) matching its config.json."
         ) from error
-    problems = []
-    if info["missing_keys"]:
-        problems.append(f"missing weights: {', '.join(sorted(info['missing_keys']))}")
-    if info["unexpected_keys"]:
-        problems.append(f"unexpected weights: {', '.join(sorted(info['unexpected_keys']))}")
-    if info["mismatched_keys"]:
-        shapes = [_describe_mismatch(entry) for entry in sorted(info["mismatched_keys"], key=str)]
-        problems.append(f"weights with the wrong shape: {', '.join(shapes)}")
+    problems = loading_problems(info)
     if problems:
         raise ConversionError(
             f"{name!r} does not hold exactly the weights of {what} for its config: "
@@ -349,7 +352,7 @@ def _convert(source, config_overrides: dict, share_weights: bool) -> DeltaGPTFor
     dtype, state_dict = source_weights(gpt2, dtype, share_weights)
     model, problems = from_state_dict(DeltaGPTForCausalLM, config, state_dict, dtype, like=gpt2)
     if problems:
-        raise ConversionError(f"GPT-2 weights do not match the DeltaGPT layout: {', '.join(problems)}.")
+        raise ConversionError(f"GPT-2 weights do not match the DeltaGPT layout: {'; '.join(problems)}.")
     return model
 
 

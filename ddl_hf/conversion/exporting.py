@@ -94,7 +94,7 @@ def export_to_gpt2(model: DeltaGPTForCausalLM) -> GPT2LMHeadModel:
     }
     gpt2, problems = from_state_dict(GPT2LMHeadModel, gpt2_config, state_dict, model.dtype, like=model)
     if problems:  # a DeltaGPT layout bug
-        raise ValueError(f"DeltaGPT weights do not map onto GPT-2: {', '.join(problems)}.")
+        raise ValueError(f"DeltaGPT weights do not map onto GPT-2: {'; '.join(problems)}.")
     return gpt2
 
 

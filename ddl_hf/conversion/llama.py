@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..configuration_delta_llama import DELTA_LLAMA_FAMILIES, DeltaLlamaConfig
 from ..modeling_delta_llama import DeltaLlamaForCausalLM
@@ -120,7 +120,7 @@ def _convert_llama(source, config_overrides: dict, share_weights: bool) -> Delta
     model, problems = from_state_dict(DeltaLlamaForCausalLM, config, state_dict, dtype, like=model_in)
     if problems:
         raise ConversionError(
-            f"{config.source_model_type} weights do not match the DeltaLlama layout: {', '.join(problems)}."
+            f"{config.source_model_type} weights do not match the DeltaLlama layout: {'; '.join(problems)}."
         )
     return model
 
@@ -134,10 +134,10 @@ def export_to_llama(model: DeltaLlamaForCausalLM) -> PreTrainedModel:
     check_exportable(model, type(family_config).__name__.removesuffix("Config"))
     delta_parameters = set(model.delta_parameters())
     state_dict = {n: t.detach().clone() for n, t in model.state_dict().items() if n not in delta_parameters}
-    model_class = AutoModelForCausalLM._model_mapping[type(family_config)]
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(family_config)]
     exported, problems = from_state_dict(model_class, family_config, state_dict, model.dtype, like=model)
     if problems:  # a DeltaLlama layout bug
-        raise ValueError(f"DeltaLlama weights do not map onto {model_class.__name__}: {', '.join(problems)}.")
+        raise ValueError(f"DeltaLlama weights do not map onto {model_class.__name__}: {'; '.join(problems)}.")
     return exported
 
 

@@ -226,6 +226,16 @@ def test_bad_sources_and_overrides_raise_clear_errors():
         ddl_hf.convert_gpt2(source, delta_beta_init=3.0)
 
 
+def test_an_in_memory_source_whose_weights_miss_its_config_is_refused_by_name():
+    """A GPT2LMHeadModel whose config no longer matches its weights (here a shorter context): the conversion names
+    the misshaped weight with both shapes instead of failing inside transformers' loader."""
+    source = gpt2_model(n_positions=16)
+    source.config.n_positions = 12
+    named = r"wrong shape: transformer\.wpe\.weight \[16, 32\] in the checkpoint, \[12, 32\]"
+    with pytest.raises(ConversionError, match=named):
+        ddl_hf.convert_gpt2(source)
+
+
 def test_unknown_field_error_lists_every_delta_field():
     """The list of valid fields is read off DeltaGPTConfig, so new Delta fields (token mixer, DeltaNet) appear."""
     with pytest.raises(ConversionError, match="Unknown DeltaGPTConfig field") as error:
