@@ -3,7 +3,7 @@
     S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t,   S_t in R^{d_v x d_k} per head.
 
 DDL applies this rank-1 Delta Operator over depth; DeltaNet applies it over the sequence. The mixer and its cache
-live here; the rule itself (chunkwise for training and prefill, recurrent for decoding) in `delta_ops.py`.
+live here; the rule itself (chunkwise for training and prefill, recurrent for decoding) in `delta_net_ops.py`.
 
 Self-contained Hub custom-code file: it imports only torch, transformers and its sibling files.
 """

@@ -6,7 +6,8 @@ runs the Hub code without a cache, so they cannot be kept there (docs/serving.md
 `(K - 1, dim)` window per running sequence, which vLLM allocates, copies for prefix caching and frees), and the reads
 reach them through `ServingWindows`, the `WindowSource` that stands where transformers passes a `DeltaConvContext`.
 `DeltaWindowModel` answers vLLM's questions about that state (shape, dtype, copy) for the model class. The
-convolutions themselves are `delta_ops`', as in transformers. Needs vLLM; imported by `vllm_models.py` only.
+convolutions themselves are `delta_ops`' and `delta_fused`'s, as in transformers. Needs vLLM; imported by
+`vllm_models.py` only.
 """
 
 import torch

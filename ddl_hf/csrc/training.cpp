@@ -1,14 +1,14 @@
 // Native kernels (ddl_hf.native.enable_native_kernels): the fused Delta update and the TC read, each in one pass over
 // the state, forward and backward; and, at the end, a residual's inference step (residual_step).
 //
-// The Delta update: the same math as delta_ops._fused_delta_forward and _FusedDeltaUpdate.backward. Per token, with
+// The Delta update: the same math as delta_fused._fused_delta_forward and _FusedDeltaUpdate.backward. Per token, with
 // X [D, d_v], h [D], beta, v [d_v]: r = 1 / sqrt(|h|^2 + eps^2), s = r beta (v - r h^T X) (+ 1 in additive mode;
 // without erase v - r h^T X is v), X' = X + h s^T. The tensor ops pass over X and over its gradient several times
 // (h^T X, the multiply-add; h^T g, dX, and two contractions over d_v for dh); here each token's row is read once and
 // stays in cache while it is used. Sums run in the dtype's math type (float32: float). beta == 0 gives X + h (additive) or X (paper) bit
 // for bit, as in the tensor ops.
 //
-// The TC read: the same math as delta_ops.temporal_conv_read: out[b, t, d] = sum_j sum_c x(b, t - lag_j)[d, c]
+// The TC read: the same math as delta_fused.temporal_conv_read: out[b, t, d] = sum_j sum_c x(b, t - lag_j)[d, c]
 // w[d, c, j], lag_j = K - 1 - j, where rows before x come from `past` (the cached window; zeros when absent) and a
 // tap j with same_document[b, t, j] false reads nothing (packed rows). The tensor ops make K in-place multiply-adds
 // over the state forward and 3K passes backward; here each (b, t) row of x, grad_out and grad_x is touched once, and
@@ -347,7 +347,7 @@ std::vector<at::Tensor> delta_update_backward(const at::Tensor& grad_out, const 
   return {grad_x, grad_h, grad_beta, grad_value};
 }
 
-// One Delta residual after its branch, for inference (delta_ops.residual_step; the reference is
+// One Delta residual after its branch, for inference (DeltaKernels.residual_step; the reference is
 // DeltaResidual.update): per token n, the gate logit g = w_g . c + b_g and beta = 2 sigmoid(g) clamp(beta_open, 0, 1);
 // the value v = W_v c + b_v, or scale sigmoid(W_v x + b_v) of the un-normalised read x (sigmoid_value), or a
 // constant (no W_v); then the update above, X' = X + h s^T with s = r beta (v - r h^T X) (+ 1 in additive mode).

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--native", action="store_true", help="also time the native CPU kernels (builds them once)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    prov = provenance(argv)
+    prov = provenance(None if argv is None else [__file__, *argv])
     variants = list(QUICK_VARIANTS if args.quick else VARIANTS)
     steps = args.steps or (5 if args.quick else 30)
     results = {

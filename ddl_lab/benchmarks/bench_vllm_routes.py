@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines[SOURCE] = LLM(model=str(directory / "source"), **engine_args)  # the baseline: what Delta costs
         for i, name in enumerate(WINDOWS):
             engines[name] = LLM(model=str(directory / f"windows{i}"), **engine_args)
-        prov = provenance(argv)
+        prov = provenance(None if argv is None else [__file__, *argv])
         tokens, seconds = {}, {route: [] for route in engines}
         for route, llm in engines.items():  # warm-up, and the tokens each route generates
             tokens[route] = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
