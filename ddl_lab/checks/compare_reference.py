@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import subprocess
 import sys
 import types
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from ddl_hf import DeltaGPTConfig
 from ddl_hf.delta_layers import DeltaResidual
 from ddl_hf.delta_reads import DeltaEmbedExpand, DeltaRead
+from ddl_lab.common import provenance, write_results
 
 FILES = {
     "dv1": "DDL-vdim1-gpt-mha-rope.py",
@@ -165,48 +165,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference", type=Path, required=True, help="their `model/` directory")
     parser.add_argument("--out", type=Path, default=RESULTS / "reference_agreement")
     args = parser.parse_args(argv)
+    prov = provenance(None if argv is None else [__file__, *argv])
     try:
         commit = subprocess.run(
             ["git", "-C", str(args.reference), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (subprocess.CalledProcessError, FileNotFoundError):
         commit = "unknown (not a git checkout)"
-    ours = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = {
         f"{variant} {torch.finfo(dtype).dtype}": compare(args.reference, variant, dtype)
         for variant in FILES
         for dtype in (torch.float32, torch.float64)
     }
-    report = {
-        "reference_commit": commit,
-        "ddl_hf_commit": ours,
-        "width": WIDTH,
-        "value_channels": CHANNELS,
-        "command": " ".join(["python", "ddl_lab/checks/compare_reference.py", *sys.argv[1:]]),
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    report = {"provenance": prov, "reference_commit": commit, "width": WIDTH, "value_channels": CHANNELS, "rows": rows}
     lines = [
         "# Our Delta residual vs the authors' modules (same weights, same inputs)",
         "",
-        f"Reference commit `{commit}`, ddl-hf commit `{ours}`; width {WIDTH}, d_v {CHANNELS} (1 for dv1), "
-        f"batch {BATCH} x {TOKENS} tokens, every weight and input N(0, 0.25) or N(0, 1). Command: "
-        f"`{report['command']}`.",
+        f"Reference commit `{commit}`; width {WIDTH}, d_v {CHANNELS} (1 for dv1), batch {BATCH} x {TOKENS} tokens, "
+        "every weight and input N(0, 0.25) or N(0, 1).",
         "",
         "| file (variant, dtype) | max abs diff: read | update | new state | update scale | EC expansion |",
         "|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
-        variant = name.split()[0]
+        expansion = f"{row['embed_expand']:.2e}" if "embed_expand" in row else ""
         lines.append(
-            f"| `{FILES[variant]}` ({name}) | {row['read']:.2e} | {row['update']:.2e} | {row['state']:.2e} | "
-            f"{row['update_scale']:.2f} | {row['embed_expand']:.2e} |"
-            if "embed_expand" in row
-            else f"| `{FILES[variant]}` ({name}) | {row['read']:.2e} | {row['update']:.2e} | {row['state']:.2e} | "
-            f"{row['update_scale']:.2f} | |"
+            f"| `{FILES[name.split()[0]]}` ({name}) | {row['read']:.2e} | {row['update']:.2e} | {row['state']:.2e} | "
+            f"{row['update_scale']:.2f} | {expansion} |"
         )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(args.out.parent, args.out.name, report, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
