@@ -1,4 +1,4 @@
-"""What the GPU tests build, and how they bound an error: the models, shapes and rules the GPU check used.
+"""What the GPU tests build, and how they bound an error: the variants (`GPU_VARIANTS`) and shapes of the GPU check.
 
 Every Delta model is its baseline converted by the library (`convert_gpt2` / `convert_llama`: every baseline weight
 shared, the Delta ones new) with the gate opened to beta = 0.5, so that at any beta the Delta model and its baseline
